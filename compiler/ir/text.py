@@ -1,0 +1,246 @@
+"""The IR's textual form. It round-trips: parse_graph(print_graph(g), weights) equals g.
+
+    graph "tiny" {
+      input %input_ids: i64[1, seq]
+      const %embed: f32[256, 64]                  # large constants: data kept aside
+      const %axes: i64[1] = [-1]                  # small constants: data inline
+      state %cache.k.0: f32[1, 2, max_seq, 16]
+      %x: f32[1, seq, 64] = Embedding(%embed, %input_ids) @embedding
+      %a: f32[1, seq, 32], %b: f32[1, seq, 32] = Split(%x) {axis=-1, split=[32, 32]} @split
+      output %logits
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import IRError
+from .graph import Graph, Node, Value
+from .types import Dim, DType, TensorType
+
+INLINE_MAX = 16  # constants with at most this many elements print their data
+
+
+def _fmt_attr(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_fmt_attr(x) for x in v) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return json.dumps(v) if v == v and abs(v) != float("inf") else \
+            ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if v is None:
+        return "null"
+    raise IRError(f"attribute value of type {type(v).__name__} has no text form")
+
+
+def _fmt_type(t: TensorType) -> str:
+    return str(t)
+
+
+def _inline(v: Value) -> str | None:
+    arr = v.const_array()
+    if arr is None or arr.size > INLINE_MAX:
+        return None
+    flat = arr.reshape(-1).tolist()
+    if v.dtype.is_float:
+        flat = [float(x) for x in flat]
+    return _fmt_attr(flat)
+
+
+def print_graph(g: Graph) -> str:
+    lines = [f"graph {json.dumps(g.name)} {{"]
+    if g.metadata:
+        lines.append(f"  meta {json.dumps(g.metadata, sort_keys=True, default=str)}")
+    for v in g.inputs:
+        lines.append(f"  input %{v.name}: {_fmt_type(v.type)}")
+    for v in g.consts.values():
+        data = _inline(v)
+        lines.append(f"  const %{v.name}: {_fmt_type(v.type)}" + (f" = {data}" if data is not None else ""))
+    for v in g.state:
+        lines.append(f"  state %{v.name}: {_fmt_type(v.type)}")
+    for n in g.nodes:
+        outs = ", ".join(f"%{o.name}: {_fmt_type(o.type)}" for o in n.outputs)
+        ins = ", ".join("_" if v is None else f"%{v.name}" for v in n.inputs)
+        attrs = ""
+        if n.attrs:
+            attrs = " {" + ", ".join(f"{k}={_fmt_attr(n.attrs[k])}" for k in sorted(n.attrs)) + "}"
+        lines.append(f"  {outs} = {n.op}({ins}){attrs} @{n.name}")
+    lines.append("  output " + ", ".join(f"%{v.name}" for v in g.outputs))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+_NAME = r"[A-Za-z0-9_.:/\-\[\]<>#@]+?"
+_TYPE_RE = re.compile(r"^(\w+)\[(.*)\]$")
+
+
+def _parse_type(s: str, lineno: int) -> TensorType:
+    m = _TYPE_RE.match(s.strip())
+    if not m:
+        raise IRError(f"line {lineno}: bad type '{s}'")
+    try:
+        dt = DType(m.group(1))
+    except ValueError:
+        raise IRError(f"line {lineno}: unknown dtype '{m.group(1)}'") from None
+    body = m.group(2).strip()
+    if body == "*":
+        return TensorType(dt, None)
+    dims: list[Dim] = []
+    if body:
+        for d in _split_top(body):
+            d = d.strip()
+            dims.append(int(d) if re.fullmatch(r"-?\d+", d) else d)
+    return TensorType(dt, tuple(dims))
+
+
+def _split_top(s: str, sep: str = ",") -> list[str]:
+    """Splits on `sep` outside brackets, braces, parentheses and strings."""
+    parts, depth, cur, in_str, esc = [], 0, [], False, False
+    for ch in s:
+        if in_str:
+            cur.append(ch)
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur or parts:
+        parts.append("".join(cur))
+    return parts
+
+
+def _parse_value_json(s: str, lineno: int) -> Any:
+    try:
+        return json.loads(s.replace("NaN", "NaN"))
+    except json.JSONDecodeError as e:
+        raise IRError(f"line {lineno}: bad literal '{s}': {e.msg}") from None
+
+
+def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
+    """Parses the text form. Large constants take their data from `weights` (name -> array)."""
+    weights = weights or {}
+    lines = text.splitlines()
+    g: Graph | None = None
+    env: dict[str, Value] = {}
+
+    def lookup(name: str, lineno: int) -> Value:
+        if name not in env:
+            raise IRError(f"line {lineno}: use of undefined value '%{name}'")
+        return env[name]
+
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if g is None:
+            m = re.match(r'^graph\s+(".*")\s*\{$', line)
+            if not m:
+                raise IRError(f"line {lineno}: expected 'graph \"name\" {{'")
+            g = Graph(json.loads(m.group(1)))
+            continue
+        if line == "}":
+            return g
+        if line.startswith("meta "):
+            g.metadata = _parse_value_json(line[5:], lineno)
+            continue
+        m = re.match(r"^(input|const|state)\s+%(\S+?):\s*(\w+\[[^\]]*\])(?:\s*=\s*(.*))?$", line)
+        if m:
+            kind, name, ty = m.group(1), m.group(2), _parse_type(m.group(3), lineno)
+            if kind == "input":
+                env[name] = g.add_input(name, ty)
+            elif kind == "state":
+                env[name] = g.add_state(name, ty)
+            else:
+                if m.group(4) is not None:
+                    flat = _parse_value_json(m.group(4), lineno)
+                    shape = tuple(int(d) for d in (ty.shape or ()))
+                    if ty.dtype == DType.bf16:
+                        data: Any = torch.tensor(flat, dtype=torch.bfloat16).reshape(shape)
+                    else:
+                        from .types import _NUMPY
+
+                        data = np.array(flat, dtype=_NUMPY[ty.dtype]).reshape(shape)
+                elif name in weights:
+                    data = weights[name]
+                else:
+                    raise IRError(f"line {lineno}: constant '%{name}' has no inline data and no weight")
+                v = g.add_const(name, data)
+                if v.type != ty:
+                    raise IRError(f"line {lineno}: constant '%{name}' is {v.type}, text says {ty}")
+                env[name] = v
+            continue
+        if line.startswith("output"):
+            names = [s.strip().lstrip("%") for s in line[len("output"):].split(",") if s.strip()]
+            g.outputs = [lookup(n, lineno) for n in names]
+            continue
+        m = re.match(r"^(.*?)\s=\s(\w+)\((.*?)\)(\s*\{.*\})?\s*@(\S+)$", line)
+        if not m:
+            raise IRError(f"line {lineno}: cannot parse '{line}'")
+        outs_s, op, ins_s, attrs_s, node_name = m.groups()
+        ins: list[Value | None] = []
+        for s in _split_top(ins_s):
+            s = s.strip()
+            if not s:
+                continue
+            ins.append(None if s == "_" else lookup(s.lstrip("%"), lineno))
+        attrs: dict[str, Any] = {}
+        if attrs_s:
+            body = attrs_s.strip()[1:-1]
+            for kv in _split_top(body):
+                k, _, val = kv.partition("=")
+                attrs[k.strip()] = _parse_value_json(val.strip(), lineno)
+        out_decl = []
+        for s in _split_top(outs_s):
+            nm, _, ty_s = s.strip().partition(":")
+            out_decl.append((nm.strip().lstrip("%"), _parse_type(ty_s, lineno)))
+        node = Node(op, ins, [], attrs, node_name)
+        g._node_names.add(node_name)
+        for nm, ty in out_decl:
+            v = Value(g._claim(nm), ty, "node", producer=node)
+            node.outputs.append(v)
+            env[nm] = v
+        from .ops import infer_sym
+
+        infer_sym(node)
+        g.nodes.append(node)
+    raise IRError("unexpected end of text: missing closing '}'")
+
+
+def graphs_equal(a: Graph, b: Graph) -> bool:
+    """Structural equality: same text form and the same constant data."""
+    if print_graph(a) != print_graph(b):
+        return False
+    for k, va in a.consts.items():
+        vb = b.consts.get(k)
+        if vb is None:
+            return False
+        xa, xb = va.const_array(), vb.const_array()
+        if xa is None or xb is None or xa.shape != xb.shape or not np.array_equal(xa, xb, equal_nan=True):
+            return False
+    return True

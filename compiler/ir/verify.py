@@ -1,0 +1,68 @@
+"""The IR verifier: rejects malformed graphs with a message that names the node."""
+
+from __future__ import annotations
+
+from ..errors import IRError, ShapeError
+from .graph import Graph
+from .ops import OPS, infer_types
+from .types import TensorType
+
+
+def _compatible(a: TensorType, b: TensorType) -> bool:
+    if a.dtype != b.dtype:
+        return False
+    if a.shape is None or b.shape is None:
+        return True
+    if len(a.shape) != len(b.shape):
+        return False
+    return all(x == y or isinstance(x, str) or isinstance(y, str) for x, y in zip(a.shape, b.shape))
+
+
+def verify_graph(g: Graph, *, check_types: bool = True) -> None:
+    """Raises IRError on: unknown ops, wrong arity, values used before definition or never
+    defined, duplicate definitions, outputs that are not defined, and (with check_types) stored
+    output types that disagree with shape inference."""
+    defined: set[int] = set()
+    names: set[str] = set()
+    for v in list(g.inputs) + list(g.consts.values()) + list(g.state):
+        if v.name in names:
+            raise IRError(f"value name '%{v.name}' defined twice")
+        names.add(v.name)
+        defined.add(id(v))
+        if v.kind == "const" and v.data is None:
+            raise IRError(f"constant '%{v.name}' has no data (missing weight)")
+    for n in g.nodes:
+        d = OPS.get(n.op)
+        if d is None:
+            raise IRError(f"node '{n.name}': unknown op '{n.op}'")
+        for i, v in enumerate(n.inputs):
+            if v is None:
+                if i < d.min_inputs:
+                    raise IRError(f"node '{n.name}' ({n.op}): required input {i} is missing")
+                continue
+            if id(v) not in defined:
+                raise IRError(f"node '{n.name}' ({n.op}): input '%{v.name}' is used before it is "
+                              "defined (or never defined; the graph may have a cycle)")
+        if check_types:
+            try:
+                expect = infer_types(n, len(n.outputs))
+            except ShapeError as e:
+                raise ShapeError(f"node '{n.name}' ({n.op}): {e}") from None
+            if len(expect) != len(n.outputs):
+                raise IRError(f"node '{n.name}' ({n.op}): has {len(n.outputs)} outputs, op defines {len(expect)}")
+            for o, t in zip(n.outputs, expect):
+                if not _compatible(o.type, t):
+                    raise ShapeError(f"node '{n.name}' ({n.op}): output '%{o.name}' is {o.type} "
+                                     f"but inference gives {t}")
+        for o in n.outputs:
+            if o.name in names:
+                raise IRError(f"node '{n.name}' ({n.op}): value name '%{o.name}' defined twice")
+            if o.producer is not n:
+                raise IRError(f"node '{n.name}' ({n.op}): output '%{o.name}' has a wrong producer link")
+            names.add(o.name)
+            defined.add(id(o))
+    if not g.outputs:
+        raise IRError(f"graph '{g.name}' has no outputs")
+    for v in g.outputs:
+        if id(v) not in defined:
+            raise IRError(f"graph output '%{v.name}' is not defined by any node, input or constant")
