@@ -440,6 +440,12 @@ def _mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [F.linear(_act(node.attrs.get("activation", "gelu"), F.linear(x, wu, bu)), wd, bd)]
 
 
+@kernel("Positions")
+def _positions(node: Node, xs: list[Any]) -> list[torch.Tensor]:
+    past = int(xs[1].reshape(-1)[0]) if len(xs) > 1 and xs[1] is not None else 0
+    return [torch.arange(past, past + xs[0].shape[1], dtype=torch.int64).unsqueeze(0)]
+
+
 @kernel("RoPE")
 def _rope(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, cos_t, sin_t = xs[0], xs[1], xs[2]

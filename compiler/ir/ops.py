@@ -581,6 +581,14 @@ def _mlp(node: Node) -> list[TensorType]:
     return [_t(node.inputs[0])]
 
 
+@_def("Positions", "transformer", 1, 2,
+      "inputs: ids[B, T], past_len? (i64 scalar); output i64[1, T] = past_len + arange(T): the "
+      "absolute positions of the current tokens, what RoPE tables are indexed by")
+def _positions(node: Node) -> list[TensorType]:
+    ids = _need_rank(node.inputs[0], 2, node, "ids [B, T]")
+    return [TensorType(DType.i64, (1, ids[1]))]
+
+
 TRANSFORMER_OPS = frozenset(k for k, v in OPS.items() if v.level == "transformer")
 
 

@@ -1,0 +1,135 @@
+"""Small helpers the raising rules use to walk the graph: producers, unique users, scalars."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from zlc.ir import Graph, Node, Value
+from zlc.runtime.reference import KERNELS
+
+TRANSPARENT = ("Cast", "Identity")
+
+
+class Users:
+    """A snapshot of value -> using nodes, refreshed by the rule driver after each rewrite."""
+
+    def __init__(self, g: Graph):
+        self.map = g.users()
+        self.outputs = {id(v) for v in g.outputs}
+
+    def of(self, v: Value) -> list[Node]:
+        return self.map.get(v, [])
+
+    def only(self, v: Value, op: str | tuple[str, ...] | None = None) -> Node | None:
+        """The single user of v (with the given op), if v has exactly one user and is no output."""
+        us = self.of(v)
+        if len(us) != 1 or id(v) in self.outputs:
+            return None
+        if op is not None and us[0].op not in ((op,) if isinstance(op, str) else op):
+            return None
+        return us[0]
+
+
+def prod(v: Value | None, op: str | tuple[str, ...] | None = None) -> Node | None:
+    n = v.producer if v is not None else None
+    if n is None:
+        return None
+    if op is not None and n.op not in ((op,) if isinstance(op, str) else op):
+        return None
+    return n
+
+
+def strip(v: Value, ops: tuple[str, ...] = TRANSPARENT) -> Value:
+    """Follows Cast/Identity producers upward."""
+    while v.producer is not None and v.producer.op in ops and v.producer.inputs[0] is not None:
+        v = v.producer.inputs[0]
+    return v
+
+
+def scalar(v: Value | None) -> float | None:
+    """The value of a constant with one element (any shape of size 1)."""
+    if v is None or v.data is None:
+        return None
+    a = v.const_array()
+    if a is None or a.size != 1:
+        return None
+    return float(a.reshape(-1)[0])
+
+
+def const2d(v: Value | None) -> np.ndarray | torch.Tensor | None:
+    if v is None or v.data is None or v.shape is None or len(v.shape) != 2:
+        return None
+    return v.data
+
+
+def other(node: Node, v: Value) -> Value | None:
+    """The other input of a binary node."""
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is v else a if b is v else None
+
+
+def last_axis(node: Node, rank: int | None) -> bool:
+    axes = node.attrs.get("axes")
+    if rank is None or axes is None or len(axes) != 1:
+        return False
+    return axes[0] % rank == rank - 1
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+ELEMENTWISE = {"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Erf", "Relu",
+               "Gelu", "Silu", "Softplus", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Cast",
+               "Identity"}
+
+
+def elementwise_activation(g: Graph, start: Value, end: Value) -> str:
+    """Names the activation that the elementwise chain start -> end computes, or raises ValueError
+    with the reason. Every node between must be elementwise with only constant scalar operands."""
+    nodes: list[Node] = []
+    seen: set[int] = set()
+    stack = [end]
+    while stack:
+        v = stack.pop()
+        if v is start or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.data is not None:
+            if v.const_array() is not None and v.const_array().size == 1:  # type: ignore[union-attr]
+                continue
+            raise ValueError(f"non-scalar constant '{v.name}' in the activation")
+        n = v.producer
+        if n is None or n.op not in ELEMENTWISE:
+            raise ValueError(f"'{v.name}' is not an elementwise function of '{start.name}'")
+        nodes.append(n)
+        stack.extend(x for x in n.inputs if x is not None)
+    order = [n for n in g.nodes if n in nodes]
+    x = torch.linspace(-8, 8, 401, dtype=start.dtype.torch if start.dtype.is_float else torch.float32)
+    env: dict[int, torch.Tensor] = {id(start): x}
+    for n in order:
+        args = []
+        for v in n.inputs:
+            if v is None:
+                args.append(None)
+            elif id(v) in env:
+                args.append(env[id(v)])
+            else:
+                arr = v.const_array()
+                args.append(torch.tensor(arr.reshape(()).item(), dtype=v.dtype.torch))  # type: ignore[union-attr]
+        for o, t in zip(n.outputs, KERNELS[n.op](n, args)):
+            env[id(o)] = t
+    y = env.get(id(end))
+    if y is None:
+        raise ValueError("activation chain did not reach its end")
+    for name, fn in ACTIVATIONS.items():
+        ref = fn(x.double()).to(y.dtype)
+        if y.shape == ref.shape and torch.allclose(y, ref, atol=2e-5, rtol=1e-4):
+            return name
+    raise ValueError("elementwise chain matches no known activation (silu, gelu, gelu_tanh, relu, quick_gelu)")

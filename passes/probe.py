@@ -1,0 +1,201 @@
+"""Semantic probing: evaluate a position-only subgraph (causal masks, rotary tables, activation
+chains) with the reference executor to learn what it computes.
+
+Exporters spell the same thing many ways (a causal mask as Trilu, as Range/LessOrEqual, as
+transformers' cumsum-and-GatherND packing check; GELU as Erf, Tanh or a Gelu op; rotary tables
+with every scaling scheme). Matching all spellings structurally is endless; evaluating the
+subgraph on probe inputs and comparing against the canonical definition is exact for every
+spelling, as long as the subgraph depends only on *positions*: the shapes of the token inputs,
+position ids, and an attention mask assumed all ones (zlc owns the cache: no padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zlc.errors import ZlcError
+from zlc.ir import Graph, Node, Value
+from zlc.runtime.reference import KERNELS
+
+# Roles of graph inputs, assigned by name and type (see classify_inputs).
+IDS, MASK, POSITIONS, PAST_KEY, PAST_VALUE, PAST_LEN = (
+    "input_ids", "attention_mask", "position_ids", "past_key", "past_value", "past_len")
+
+
+def classify_inputs(g: Graph) -> dict[str, str]:
+    """Maps input name -> role for decoder LM graphs (HF, Optimum and genai naming)."""
+    roles: dict[str, str] = {}
+    for v in g.inputs:
+        n = v.name.lower()
+        if v.dtype.is_float and ("past" in n or "cache" in n):
+            roles[v.name] = PAST_VALUE if ("value" in n or n.endswith(".v") or "_v" in n) else PAST_KEY
+        elif "mask" in n:
+            roles[v.name] = MASK
+        elif "position" in n:
+            roles[v.name] = POSITIONS
+        elif "past_len" in n or "seqlens" in n:
+            roles[v.name] = PAST_LEN
+        elif not v.dtype.is_float and ("ids" in n or "input" in n or "token" in n):
+            roles[v.name] = IDS
+    return roles
+
+
+def closure(g: Graph, targets: Sequence[Value]) -> list[Node]:
+    """Nodes the targets depend on, in graph order."""
+    need: set[int] = set()
+    stack = [t.producer for t in targets if t.producer is not None]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in need:
+            continue
+        need.add(id(n))
+        stack.extend(v.producer for v in n.inputs if v is not None and v.producer is not None)
+    return [n for n in g.nodes if id(n) in need]
+
+
+def value_inputs(g: Graph, targets: Sequence[Value]) -> tuple[set[str], set[str]]:
+    """Graph inputs the targets read (by value, and only through Shape/Size)."""
+    nodes = closure(g, targets)
+    by_value: set[str] = set()
+    by_shape: set[str] = set()
+    for n in nodes:
+        for v in n.inputs:
+            if v is not None and v.kind == "input":
+                (by_shape if n.op in ("Shape", "Size") else by_value).add(v.name)
+    for t in targets:
+        if t.kind == "input":
+            by_value.add(t.name)
+    return by_value, by_shape - by_value
+
+
+def is_position_only(g: Graph, targets: Sequence[Value], allowed: Iterable[str] = (POSITIONS, MASK)) -> str | None:
+    """None if the targets depend on token inputs only through shapes; else the reason."""
+    roles = classify_inputs(g)
+    by_value, _ = value_inputs(g, targets)
+    for name in by_value:
+        role = roles.get(name)
+        if role not in allowed:
+            return f"depends on the values of input '{name}' ({role or 'unknown role'})"
+    for n in closure(g, targets):
+        if any(v is not None and v.kind == "state" for v in n.inputs):
+            return f"depends on compiler state through '{n.name}'"
+    return None
+
+
+@dataclass(frozen=True)
+class Probe:
+    past: int
+    seq: int
+
+
+def probe_feeds(g: Graph, names: Iterable[str], probe: Probe) -> dict[str, torch.Tensor]:
+    """Synthesizes inputs for a probe: ids zeros, mask ones, positions past..past+seq, caches 0."""
+    roles = classify_inputs(g)
+    feeds: dict[str, torch.Tensor] = {}
+    for v in g.inputs:
+        if v.name not in names:
+            continue
+        role = roles.get(v.name)
+        shape = list(v.shape or ())
+        dt = v.dtype.torch
+        if role == IDS:
+            dims = [probe.seq if i == len(shape) - 1 else 1 for i in range(len(shape))]
+            feeds[v.name] = torch.zeros(dims, dtype=dt)
+        elif role == MASK:
+            dims = [probe.past + probe.seq if i == len(shape) - 1 else 1 for i in range(len(shape))]
+            feeds[v.name] = torch.ones(dims, dtype=dt)
+        elif role == POSITIONS:
+            pos = torch.arange(probe.past, probe.past + probe.seq, dtype=dt)
+            feeds[v.name] = pos.reshape([1] * (len(shape) - 1) + [probe.seq])
+        elif role in (PAST_KEY, PAST_VALUE):
+            dims = [d if isinstance(d, int) else 1 for d in shape]
+            if len(dims) == 4:
+                dims[2] = probe.past
+            feeds[v.name] = torch.zeros(dims, dtype=dt)
+        elif role == PAST_LEN:
+            feeds[v.name] = torch.tensor(probe.past, dtype=dt).reshape([1] * len(shape))
+        else:
+            raise ZlcError(f"cannot synthesize probe input '{v.name}' (unknown role)")
+    return feeds
+
+
+def evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Tensor]:
+    """Runs just the targets' closure on probe inputs."""
+    by_value, by_shape = value_inputs(g, targets)
+    env: dict[int, torch.Tensor] = {}
+    feeds = probe_feeds(g, by_value | by_shape, probe)
+    for v in g.inputs:
+        if v.name in feeds:
+            env[id(v)] = feeds[v.name]
+    for n in closure(g, targets):
+        args = []
+        for v in n.inputs:
+            if v is None:
+                args.append(None)
+            elif id(v) in env:
+                args.append(env[id(v)])
+            elif v.data is not None:
+                d = v.data
+                env[id(v)] = d if isinstance(d, torch.Tensor) else torch.from_numpy(v.const_array().copy())
+                args.append(env[id(v)])
+            else:
+                raise ZlcError(f"probe cannot evaluate '{v.name}'")
+        outs = KERNELS[n.op](n, args)
+        for o, t in zip(n.outputs, outs):
+            env[id(o)] = t
+    return [env[id(t)] if id(t) in env else _const_tensor(t) for t in targets]
+
+
+def _const_tensor(v: Value) -> torch.Tensor:
+    d = v.data
+    if isinstance(d, torch.Tensor):
+        return d
+    arr = v.const_array()
+    if arr is None:
+        raise ZlcError(f"probe cannot evaluate '{v.name}'")
+    return torch.from_numpy(arr.copy())
+
+
+def try_evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Tensor] | str:
+    try:
+        return evaluate(g, targets, probe)
+    except (ZlcError, RuntimeError, IndexError, ValueError, KeyError) as e:
+        return f"probe failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
+PROBES = (Probe(0, 1), Probe(0, 5), Probe(0, 12), Probe(3, 1), Probe(7, 4))
+
+
+def classify_mask(g: Graph, mask: Value, additive: bool) -> str | None:
+    """None if `mask` is a causal mask (bottom-right aligned) on every probe; else the reason.
+
+    additive: 0 where attending and <= -1e4 (or -inf) where masked; else boolean keep-mask."""
+    why = is_position_only(g, [mask])
+    if why:
+        return f"mask {why}"
+    roles = set(classify_inputs(g).values())
+    probes = PROBES if (PAST_KEY in roles or MASK in roles or POSITIONS in roles) else \
+        tuple(p for p in PROBES if p.past == 0)
+    for p in probes:
+        res = try_evaluate(g, [mask], p)
+        if isinstance(res, str):
+            return res
+        m = res[0]
+        total = p.past + p.seq
+        if m.dim() < 2 or m.shape[-1] not in (1, total) or m.shape[-2] not in (1, p.seq):
+            return f"mask shape {tuple(m.shape)} does not fit {p.seq} queries x {total} keys"
+        keep = torch.ones(p.seq, total, dtype=torch.bool).tril(total - p.seq)
+        m2 = m.reshape(-1, m.shape[-2], m.shape[-1])
+        m2 = m2.expand(m2.shape[0], p.seq, total)
+        if additive:
+            got_keep = m2 > -1.0
+            if not torch.all(m2[got_keep] == 0) or not torch.all(m2[~got_keep] <= -1e4):
+                return "additive mask has values other than 0 and a large negative number"
+        else:
+            got_keep = m2.bool()
+        if not torch.equal(got_keep, keep.expand_as(got_keep)):
+            return f"mask is not causal at past={p.past}, seq={p.seq}"
+    return None

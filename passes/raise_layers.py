@@ -1,0 +1,262 @@
+"""Raising rules for embeddings, linear layers, norms and MLPs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zlc.ir import Graph, Node, Value
+
+from .match import (
+    ELEMENTWISE,
+    Users,
+    const2d,
+    elementwise_activation,
+    last_axis,
+    other,
+    prod,
+    scalar,
+    strip,
+)
+from .raising import Match, RaiseRule, new_node
+
+
+def _transpose_view(data: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A [K, N] weight seen as [N, K] without copying (a strided view)."""
+    return data.T
+
+
+# ---- Embedding ----------------------------------------------------------------------------------
+
+def _match_embedding(g: Graph, n: Node, u: Users) -> Match | str:
+    w, ids = n.inputs[0], n.inputs[1]
+    if n.attrs.get("axis", 0) != 0:
+        return "gather axis is not 0"
+    if const2d(w) is None:
+        return "table is not a constant matrix"
+    assert ids is not None
+    if ids.dtype.is_float:
+        return "indices are not integers"
+    return {"w": w, "ids": ids, "out": n.output, "_nodes": [n]}
+
+
+def _rw_embedding(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    return [(m["out"], new_node(g, "Embedding", [m["w"], m["ids"]], "embedding"))]
+
+
+EMBEDDING = RaiseRule("embedding", "Gather", _match_embedding, _rw_embedding,
+                      "Gather(W[V,H], ids) -> Embedding")
+
+
+# ---- Linear -------------------------------------------------------------------------------------
+
+def _match_linear(g: Graph, n: Node, u: Users) -> Match | str:
+    x, w = n.inputs[0], n.inputs[1]
+    if const2d(w) is None:
+        return "right operand is not a constant matrix"
+    assert x is not None and w is not None
+    if x.dtype != w.dtype:
+        return "activation and weight dtypes differ"
+    m: Match = {"x": x, "w": w, "out": n.output, "bias": None, "_nodes": [n]}
+    add = u.only(n.output, "Add")
+    if add is not None:
+        b = other(add, n.output)
+        if b is not None and b.data is not None and b.shape is not None and len(b.shape) == 1 \
+                and w.shape is not None and b.shape[0] == w.shape[1]:
+            m.update(bias=b, out=add.output)
+            m["_nodes"].append(add)
+    return m
+
+
+def _rw_linear(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    w: Value = m["w"]
+    wt = g.add_const(w.name + ".T", _transpose_view(w.data), unique=True)
+    ins = [m["x"], wt] + ([m["bias"]] if m["bias"] is not None else [])
+    return [(m["out"], new_node(g, "Linear", ins, "linear"))]
+
+
+LINEAR = RaiseRule("linear", "MatMul", _match_linear, _rw_linear,
+                   "MatMul(x, W[K,N]) (+ b) -> Linear(x, W^T[N,K], b); weights become [out, in] views")
+
+
+def _match_lm_head(g: Graph, n: Node, u: Users) -> Match | str:
+    if not any(n.output is o for o in g.outputs):
+        return "not a graph output"
+    if n.output.dtype.is_float is False:
+        return "not float logits"
+    return {"node": n, "_nodes": [n]}
+
+
+def _rw_lm_head(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    n: Node = m["node"]
+    w = n.inputs[1]
+    assert w is not None
+    # Tied embeddings: reuse the embedding table's value when the head reads the same storage.
+    for e in g.nodes:
+        if e.op == "Embedding" and e.inputs[0] is not None and _same_storage(e.inputs[0], w):
+            w = e.inputs[0]
+            g.metadata["tied_embeddings"] = True
+            break
+    out = g.add_node("LMHead", [n.inputs[0], w] + n.inputs[2:], {}, name="lm_head").output
+    return [(n.output, out)]
+
+
+def _same_storage(a: Value, b: Value) -> bool:
+    if a is b:
+        return True
+    da, db = a.data, b.data
+    if da is None or db is None or a.shape != b.shape:
+        return False
+    if isinstance(da, np.ndarray) and isinstance(db, np.ndarray):
+        return np.shares_memory(da, db) or (da.ctypes.data == db.ctypes.data)
+    if isinstance(da, torch.Tensor) and isinstance(db, torch.Tensor):
+        return da.data_ptr() == db.data_ptr()
+    return False
+
+
+LM_HEAD = RaiseRule("lm_head", "Linear", _match_lm_head, _rw_lm_head,
+                    "the Linear producing the logits -> LMHead (tied to the embedding when shared)")
+
+
+# ---- RMSNorm / LayerNorm --------------------------------------------------------------------------
+
+def _square_of(v: Value) -> Value | None:
+    """x for Pow(x, 2) or Mul(x, x)."""
+    n = prod(v)
+    if n is None:
+        return None
+    if n.op == "Pow" and scalar(n.inputs[1]) == 2.0:
+        return n.inputs[0]
+    if n.op == "Mul" and n.inputs[0] is n.inputs[1]:
+        return n.inputs[0]
+    return None
+
+
+def _match_rmsnorm(g: Graph, n: Node, u: Users) -> Match | str:
+    x = _square_of(n.inputs[0])  # type: ignore[arg-type]
+    if x is None:
+        return "ReduceMean input is not x**2"
+    if not last_axis(n, x.type.rank) or not n.attrs.get("keepdims", 1):
+        return "not a keepdims mean over the last axis"
+    nodes = [n, n.inputs[0].producer]  # type: ignore[union-attr]
+    add = u.only(n.output, "Add")
+    if add is None or scalar(other(add, n.output)) is None:
+        return "mean is not followed by + eps"
+    eps = scalar(other(add, n.output))
+    sq = u.only(add.output, "Sqrt")
+    if sq is None:
+        return "no Sqrt after + eps"
+    nodes += [add, sq]
+    rec = u.only(sq.output, "Reciprocal")
+    if rec is not None:
+        mul = u.only(rec.output, "Mul")
+        if mul is None or other(mul, rec.output) is not x:
+            return "1/sqrt(...) is not multiplied by x"
+        nodes += [rec, mul]
+    else:
+        mul = u.only(sq.output, "Div")
+        if mul is None or mul.inputs[0] is not x:
+            return "x is not divided by sqrt(...)"
+        nodes.append(mul)
+    y = mul.output
+    cast_back = u.only(y, "Cast")
+    if cast_back is not None:
+        nodes.append(cast_back)
+        y = cast_back.output
+    wmul = u.only(y, "Mul")
+    w = other(wmul, y) if wmul is not None else None
+    if wmul is None or w is None or w.data is None or w.shape is None or len(w.shape) != 1:
+        return "no constant weight multiply after the normalization"
+    nodes.append(wmul)
+    x0 = strip(x) if cast_back is not None else x
+    if x0.dtype != w.dtype:
+        return "weight dtype differs from the input"
+    return {"x": x0, "w": w, "eps": eps, "out": wmul.output, "_nodes": nodes}
+
+
+def _rw_rmsnorm(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    return [(m["out"], new_node(g, "RMSNorm", [m["x"], m["w"]], "rmsnorm", eps=float(m["eps"])))]
+
+
+RMSNORM = RaiseRule("rmsnorm", "ReduceMean", _match_rmsnorm, _rw_rmsnorm,
+                    "x * 1/sqrt(mean(x^2) + eps) * w (and x / sqrt(...), casts) -> RMSNorm")
+
+
+# ---- MLPs ---------------------------------------------------------------------------------------
+
+def linear_sources(v: Value, limit: int = 24) -> list[Node]:
+    """Linear nodes reached from v upward through elementwise nodes (activation candidates)."""
+    out: list[Node] = []
+    seen: set[int] = set()
+    stack = [v]
+    while stack and len(seen) < limit:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        p = x.producer
+        if p is None:
+            continue
+        if p.op == "Linear":
+            out.append(p)
+        elif p.op in ELEMENTWISE:
+            stack.extend(i for i in p.inputs if i is not None and i.data is None)
+    return out
+
+
+def _match_gated(g: Graph, n: Node, u: Users) -> Match | str:
+    """Linear_down(act(Linear_gate(x)) * Linear_up(x)) -> GatedMLP."""
+    if n.input(2) is not None:
+        return "down projection has a bias"
+    mul = prod(n.inputs[0], "Mul")
+    if mul is None or u.only(mul.output) is not n:
+        return "down projection input is not a product"
+    for gate_side, up_side in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        up = prod(up_side, "Linear")
+        if up is None or up.input(2) is not None:
+            continue
+        x = up.inputs[0]
+        for cand in [c for c in linear_sources(gate_side) if c.inputs[0] is x and c is not up  # type: ignore[arg-type]
+                     and c.input(2) is None]:
+            try:
+                act = elementwise_activation(g, cand.output, gate_side)  # type: ignore[arg-type]
+            except ValueError:
+                continue
+            return {"x": x, "wg": cand.inputs[1], "wu": up.inputs[1], "wd": n.inputs[1], "act": act,
+                    "out": n.output, "_nodes": [n, mul, up, cand]}
+    return "no gate/up Linear pair feeding an activation product"
+
+
+def _rw_gated(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    out = new_node(g, "GatedMLP", [m["x"], m["wg"], m["wu"], m["wd"]], "gated_mlp", activation=m["act"])
+    return [(m["out"], out)]
+
+
+GATED_MLP = RaiseRule("gated_mlp", "Linear", _match_gated, _rw_gated,
+                      "down(act(gate(x)) * up(x)) -> GatedMLP (SwiGLU, GeGLU)")
+
+
+def _match_mlp(g: Graph, n: Node, u: Users) -> Match | str:
+    """Linear_down(act(Linear_up(x))) -> MLP (GPT-2, Phi-2 style)."""
+    a = n.inputs[0]
+    assert a is not None
+    for up in linear_sources(a):
+        if up is n:
+            continue
+        try:
+            act = elementwise_activation(g, up.output, a)
+        except ValueError:
+            continue
+        if act == "relu" and a is up.output:
+            continue
+        return {"x": up.inputs[0], "wu": up.inputs[1], "bu": up.input(2), "wd": n.inputs[1],
+                "bd": n.input(2), "act": act, "out": n.output, "_nodes": [n, up]}
+    return "input is not an activation of another Linear"
+
+
+def _rw_mlp(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    out = new_node(g, "MLP", [m["x"], m["wu"], m["bu"], m["wd"], m["bd"]], "mlp", activation=m["act"])
+    return [(m["out"], out)]
+
+
+MLP = RaiseRule("mlp", "Linear", _match_mlp, _rw_mlp, "down(act(up(x))) -> MLP (GELU MLP)")
