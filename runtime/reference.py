@@ -516,12 +516,15 @@ def _to_tensor(v: Value) -> torch.Tensor:
 class ReferenceExecutor:
     """Runs a graph; holds state buffers (the KV cache) across calls."""
 
-    def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None):
+    def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None,
+                 state: dict[str, torch.Tensor] | None = None):
         self.graph = graph
         self.consts = {id(v): _to_tensor(v) for v in graph.consts.values()}
-        self.state: dict[str, torch.Tensor] = {}
         self.state_dims = dict(state_shapes or {})
-        self.reset_state()
+        # Executors of the prefill and decode graphs share one state dict (one KV cache).
+        self.state: dict[str, torch.Tensor] = state if state is not None else {}
+        if state is None:
+            self.reset_state()
 
     def reset_state(self) -> None:
         for v in self.graph.state:

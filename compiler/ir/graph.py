@@ -296,3 +296,16 @@ def _np_dtype(dt: DType) -> np.dtype:
     from .types import _NUMPY
 
     return _NUMPY[dt]
+
+
+def reinfer(g: Graph) -> None:
+    """Recomputes every node's output types (and shape arithmetic) after inputs changed shape,
+    e.g. when the decode graph pins the token axis to 1."""
+    from .ops import infer_sym, infer_types
+
+    for n in g.nodes:
+        types = infer_types(n, len(n.outputs))
+        for o, t in zip(n.outputs, types):
+            o.type = t
+            o.sym = None
+        infer_sym(n)
