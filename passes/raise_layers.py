@@ -163,19 +163,26 @@ def _match_rmsnorm(g: Graph, n: Node, u: Users) -> Match | str:
     if cast_back is not None:
         nodes.append(cast_back)
         y = cast_back.output
+    x0 = strip(x) if cast_back is not None else x
     wmul = u.only(y, "Mul")
     w = other(wmul, y) if wmul is not None else None
     if wmul is None or w is None or w.data is None or w.shape is None or len(w.shape) != 1:
-        return "no constant weight multiply after the normalization"
+        # No weight (or an all-ones weight that canonicalization folded away): unit weight.
+        if x0.shape is None or not isinstance(x0.shape[-1], int):
+            return "unweighted norm over a non-static feature dim"
+        return {"x": x0, "w": None, "eps": eps, "out": y, "_nodes": nodes}
     nodes.append(wmul)
-    x0 = strip(x) if cast_back is not None else x
     if x0.dtype != w.dtype:
         return "weight dtype differs from the input"
     return {"x": x0, "w": w, "eps": eps, "out": wmul.output, "_nodes": nodes}
 
 
 def _rw_rmsnorm(g: Graph, m: Match) -> list[tuple[Value, Value]]:
-    return [(m["out"], new_node(g, "RMSNorm", [m["x"], m["w"]], "rmsnorm", eps=float(m["eps"])))]
+    w = m["w"]
+    if w is None:
+        x = m["x"]
+        w = g.add_const("rmsnorm.ones", torch.ones(int(x.shape[-1]), dtype=x.dtype.torch), unique=True)
+    return [(m["out"], new_node(g, "RMSNorm", [m["x"], w], "rmsnorm", eps=float(m["eps"])))]
 
 
 RMSNORM = RaiseRule("rmsnorm", "ReduceMean", _match_rmsnorm, _rw_rmsnorm,
