@@ -5,7 +5,16 @@ from __future__ import annotations
 from zlc.ir import Graph
 
 from .raise_attention import ATTENTION, ROPE, ROPE_TABLES
-from .raise_layers import EMBEDDING, GATED_MLP, LINEAR, LM_HEAD, MLP, RMSNORM
+from .raise_layers import (
+    EMBEDDING,
+    GATED_MLP,
+    GATED_MLP_FUSED,
+    LINEAR,
+    LINEAR_RESHAPE,
+    LM_HEAD,
+    MLP,
+    RMSNORM,
+)
 from .raising import RaiseStats, apply_rules
 
 # Order matters: Linear before MLPs (they match Linear nodes); LM head last among layers so that
@@ -13,10 +22,10 @@ from .raising import RaiseStats, apply_rules
 RULE_SETS = [
     ("norms", [RMSNORM]),
     ("embedding", [EMBEDDING]),
-    ("linear", [LINEAR]),
+    ("linear", [LINEAR, LINEAR_RESHAPE]),
     ("rope", [ROPE, ROPE_TABLES]),
     ("attention", [ATTENTION]),
-    ("mlp", [GATED_MLP, MLP]),
+    ("mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("lm_head", [LM_HEAD]),
 ]
 

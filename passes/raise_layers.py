@@ -41,7 +41,31 @@ def _match_embedding(g: Graph, n: Node, u: Users) -> Match | str:
 
 
 def _rw_embedding(g: Graph, m: Match) -> list[tuple[Value, Value]]:
-    return [(m["out"], new_node(g, "Embedding", [m["w"], m["ids"]], "embedding"))]
+    ids = m["ids"]
+    if ids.kind != "input" and _is_arange(g, ids):
+        # Learned absolute positions (GPT-2's wpe): index by Positions, which KV-cache synthesis
+        # shifts by past_len; arange(T) would restart at 0 on every decode step.
+        from .raise_attention import positions_value
+
+        pos = positions_value(g, ids)
+        if not isinstance(pos, str):
+            ids = pos
+    return [(m["out"], new_node(g, "Embedding", [m["w"], ids], "embedding"))]
+
+
+def _is_arange(g: Graph, v: Value) -> bool:
+    """v depends on positions only and evaluates to [0..T) (possibly with leading 1-dims)."""
+    from . import probe
+
+    if probe.is_position_only(g, [v], allowed=()) is not None:
+        return False
+    for pr in (probe.Probe(0, 1), probe.Probe(0, 6)):
+        got = probe.try_evaluate(g, [v], pr)
+        if isinstance(got, str) or got[0].numel() != pr.seq:
+            return False
+        if not torch.equal(got[0].reshape(-1).long(), torch.arange(pr.seq)):
+            return False
+    return True
 
 
 EMBEDDING = RaiseRule("embedding", "Gather", _match_embedding, _rw_embedding,
@@ -112,6 +136,32 @@ def _same_storage(a: Value, b: Value) -> bool:
     if isinstance(da, torch.Tensor) and isinstance(db, torch.Tensor):
         return da.data_ptr() == db.data_ptr()
     return False
+
+
+def _match_linear_reshape(g: Graph, n: Node, u: Users) -> Match | str:
+    """Reshape(Linear(Reshape(x[..., K] -> [M, K]), W) -> [..., N]) -> Linear(x, W) (GPT-2's
+    Conv1D / addmm exports flatten the tokens first)."""
+    inner = prod(n.inputs[0], "Reshape")
+    outer = u.only(n.output, "Reshape")
+    if inner is None or outer is None:
+        return "not wrapped in flattening reshapes"
+    x = inner.inputs[0]
+    assert x is not None
+    xs, ys = x.shape, outer.output.shape
+    if xs is None or ys is None or len(xs) != len(ys) or len(xs) < 3:
+        return "reshapes do not restore the token dims"
+    if tuple(xs[:-1]) != tuple(ys[:-1]) or any(isinstance(d, str) and "?" in d for d in xs):
+        return "outer reshape does not restore the input's leading dims"
+    return {"x": x, "node": n, "out": outer.output, "_nodes": [n, inner, outer]}
+
+
+def _rw_linear_reshape(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    n: Node = m["node"]
+    return [(m["out"], new_node(g, "Linear", [m["x"]] + n.inputs[1:], "linear"))]
+
+
+LINEAR_RESHAPE = RaiseRule("linear_reshape", "Linear", _match_linear_reshape, _rw_linear_reshape,
+                           "flatten -> Linear -> unflatten collapses into one Linear on [..., K]")
 
 
 LM_HEAD = RaiseRule("lm_head", "Linear", _match_lm_head, _rw_lm_head,
@@ -267,3 +317,74 @@ def _rw_mlp(g: Graph, m: Match) -> list[tuple[Value, Value]]:
 
 
 MLP = RaiseRule("mlp", "Linear", _match_mlp, _rw_mlp, "down(act(up(x))) -> MLP (GELU MLP)")
+
+
+def _half_slice(v: Value) -> tuple[Value, int] | None:
+    """(h, 0|1) when v is the first or second half of h along the last axis (Slice or Split)."""
+    from .raise_attention import _slice_bounds
+
+    n = v.producer
+    if n is None:
+        return None
+    h = n.inputs[0]
+    if h is None or h.shape is None or not isinstance(h.shape[-1], int):
+        return None
+    f2 = h.shape[-1]
+    if n.op == "Split" and len(n.outputs) == 2 and n.attrs.get("split") == [f2 // 2, f2 // 2] \
+            and n.attrs.get("axis", 0) % len(h.shape) == len(h.shape) - 1:
+        return h, n.outputs.index(v)
+    b = _slice_bounds(n) if n.op == "Slice" else None
+    if b is None or b[2] % len(h.shape) != len(h.shape) - 1:
+        return None
+    if b[0] == 0 and b[1] == f2 // 2:
+        return h, 0
+    if b[0] == f2 // 2 and b[1] >= f2:
+        return h, 1
+    return None
+
+
+def _match_gated_fused(g: Graph, n: Node, u: Users) -> Match | str:
+    """down(act(h[..., :F]) * h[..., F:]) with h = Linear(x, W_gate_up) -> GatedMLP (Phi-3)."""
+    if n.input(2) is not None:
+        return "down projection has a bias"
+    mul = prod(n.inputs[0], "Mul")
+    if mul is None:
+        return "down projection input is not a product"
+    for gate_side, up_side in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        up = _half_slice(up_side)  # type: ignore[arg-type]
+        if up is None or up[1] != 1:
+            continue
+        h = up[0]
+        lin = prod(h, "Linear")
+        if lin is None or lin.input(2) is not None:
+            continue
+        gate_src = next((o for o in _slice_users(g, h) if _half_slice(o) == (h, 0)), None)
+        if gate_src is None:
+            continue
+        try:
+            act = elementwise_activation(g, gate_src, gate_side)  # type: ignore[arg-type]
+        except ValueError as e:
+            return str(e)
+        w = lin.inputs[1]
+        assert w is not None and w.shape is not None
+        f = int(w.shape[0]) // 2
+        return {"x": lin.inputs[0], "w": w, "f": f, "act": act, "wd": n.inputs[1], "out": n.output,
+                "_nodes": [n, mul, lin]}
+    return "no fused gate/up projection"
+
+
+def _slice_users(g: Graph, h: Value) -> list[Value]:
+    return [o for nd in g.nodes if nd.op in ("Slice", "Split") and nd.inputs[0] is h for o in nd.outputs]
+
+
+def _rw_gated_fused(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    w: Value = m["w"]
+    f = m["f"]
+    wg = g.add_const(w.name + ".gate", w.data[:f], unique=True)  # views: no copy
+    wu = g.add_const(w.name + ".up", w.data[f:], unique=True)
+    out = new_node(g, "GatedMLP", [m["x"], wg, wu, m["wd"]], "gated_mlp", activation=m["act"])
+    return [(m["out"], out)]
+
+
+GATED_MLP_FUSED = RaiseRule("gated_mlp_fused", "Linear", _match_gated_fused, _rw_gated_fused,
+                            "down(act(gate_up(x)[:F]) * gate_up(x)[F:]) -> GatedMLP (Phi-3)")

@@ -37,7 +37,7 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
             raise IRError(f"node '{n.name}': unknown op '{n.op}'")
         for i, v in enumerate(n.inputs):
             if v is None:
-                if i < d.min_inputs:
+                if i < d.min_inputs and i not in d.optional:
                     raise IRError(f"node '{n.name}' ({n.op}): required input {i} is missing")
                 continue
             if id(v) not in defined:
