@@ -31,7 +31,9 @@ def classify_inputs(g: Graph) -> dict[str, str]:
     for v in g.inputs:
         n = v.name.lower()
         if v.dtype.is_float and ("past" in n or "cache" in n):
-            roles[v.name] = PAST_VALUE if ("value" in n or n.endswith(".v") or "_v" in n) else PAST_KEY
+            # "past_key_values.0.key": the suffix decides, not the "values" in the prefix
+            tail = n.replace("past_key_values", "").replace("key_values", "")
+            roles[v.name] = PAST_VALUE if ("value" in tail or tail.endswith(("_v", ".v"))) else PAST_KEY
         elif "mask" in n:
             roles[v.name] = MASK
         elif "position" in n:
@@ -57,18 +59,22 @@ def closure(g: Graph, targets: Sequence[Value]) -> list[Node]:
 
 
 def value_inputs(g: Graph, targets: Sequence[Value]) -> tuple[set[str], set[str]]:
-    """Graph inputs the targets read (by value, and only through Shape/Size)."""
-    nodes = closure(g, targets)
-    by_value: set[str] = set()
-    by_shape: set[str] = set()
-    for n in nodes:
-        for v in n.inputs:
-            if v is not None and v.kind == "input":
-                (by_shape if n.op in ("Shape", "Size") else by_value).add(v.name)
-    for t in targets:
-        if t.kind == "input":
-            by_value.add(t.name)
-    return by_value, by_shape - by_value
+    """Graph inputs the targets read by value, and those they read only through shapes.
+
+    Walks backward from the targets: a value is needed by value unless every path to the targets
+    goes through a Shape/Size node (e.g. Concat(past) -> Shape reads only the past's length)."""
+    by_value_ids: set[int] = {id(t) for t in targets}
+    by_shape_ids: set[int] = set()
+    for n in reversed(closure(g, targets)):
+        if not any(id(o) in by_value_ids for o in n.outputs):
+            if any(id(o) in by_shape_ids for o in n.outputs):
+                by_shape_ids.update(id(v) for v in n.inputs if v is not None)
+            continue
+        dest = by_shape_ids if n.op in ("Shape", "Size") else by_value_ids
+        dest.update(id(v) for v in n.inputs if v is not None)
+    by_value = {v.name for v in g.inputs if id(v) in by_value_ids}
+    by_shape = {v.name for v in g.inputs if id(v) in by_shape_ids} - by_value
+    return by_value, by_shape
 
 
 def is_position_only(g: Graph, targets: Sequence[Value], allowed: Iterable[str] = (POSITIONS, MASK)) -> str | None:

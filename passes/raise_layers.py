@@ -205,9 +205,16 @@ def _match_rmsnorm(g: Graph, n: Node, u: Users) -> Match | str:
         nodes += [rec, mul]
     else:
         mul = u.only(sq.output, "Div")
-        if mul is None or mul.inputs[0] is not x:
+        if mul is not None and scalar(mul.inputs[0]) == 1.0:  # 1 / sqrt(...), then x * that
+            inv = mul
+            mul = u.only(inv.output, "Mul")
+            if mul is None or other(mul, inv.output) is not x:
+                return "1/sqrt(...) is not multiplied by x"
+            nodes += [inv, mul]
+        elif mul is None or mul.inputs[0] is not x:
             return "x is not divided by sqrt(...)"
-        nodes.append(mul)
+        else:
+            nodes.append(mul)
     y = mul.output
     cast_back = u.only(y, "Cast")
     if cast_back is not None:
@@ -327,7 +334,7 @@ def _half_slice(v: Value) -> tuple[Value, int] | None:
     if n is None:
         return None
     h = n.inputs[0]
-    if h is None or h.shape is None or not isinstance(h.shape[-1], int):
+    if h is None or not h.shape or not isinstance(h.shape[-1], int):
         return None
     f2 = h.shape[-1]
     if n.op == "Split" and len(n.outputs) == 2 and n.attrs.get("split") == [f2 // 2, f2 // 2] \
