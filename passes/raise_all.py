@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zlc.ir import Graph
 
-from .raise_attention import ATTENTION, ROPE, ROPE_TABLES
+from .raise_attention import ATTENTION, MERGE_HEADS, ROPE, ROPE_TABLES, SPLIT_HEADS
 from .raise_layers import (
     EMBEDDING,
     GATED_MLP,
@@ -14,6 +14,8 @@ from .raise_layers import (
     LM_HEAD,
     MLP,
     RMSNORM,
+    SLICE_LINEAR,
+    SPLIT_LINEAR,
 )
 from .raising import RaiseStats, apply_rules
 
@@ -26,12 +28,20 @@ RULE_SETS = [
     ("rope", [ROPE, ROPE_TABLES]),
     ("attention", [ATTENTION]),
     ("mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
+    ("fused_projections", [SPLIT_LINEAR, SLICE_LINEAR]),
+    ("heads", [SPLIT_HEADS, MERGE_HEADS]),
     ("lm_head", [LM_HEAD]),
 ]
 
 
 def raise_graph(g: Graph) -> RaiseStats:
     stats = RaiseStats()
-    for _, rules in RULE_SETS:
-        apply_rules(g, rules, stats)
+    # A second sweep picks up what one rule set's rewrite exposes to an earlier one (e.g. GPT-2's
+    # merged heads are flattened for a Linear that `linear_reshape` can only fold afterwards).
+    for _ in range(2):
+        before = sum(stats.applied.values())
+        for _, rules in RULE_SETS:
+            apply_rules(g, rules, stats)
+        if sum(stats.applied.values()) == before:
+            break
     return stats

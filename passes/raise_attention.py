@@ -332,3 +332,59 @@ def _rw_attention(g: Graph, m: Match) -> list[tuple[Value, Value]]:
 
 ATTENTION = RaiseRule("attention", "Softmax", _match_attention, _rw_attention,
                       "softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+
+
+# ---- head split / merge ------------------------------------------------------------------------
+
+def _match_split_heads(g: Graph, n: Node, u: Users) -> Match | str:
+    """Transpose(Reshape(x[B,T,H*D] -> [B,T,H,D]), [0,2,1,3]) -> SplitHeads(x, heads=H)."""
+    if n.attrs.get("perm") != [0, 2, 1, 3]:
+        return "not a [0, 2, 1, 3] transpose"
+    r = prod(n.inputs[0], "Reshape")
+    if r is None:
+        return "input is not a reshape"
+    x = r.inputs[0]
+    assert x is not None
+    xs, rs = x.shape, r.output.shape
+    if xs is None or rs is None or len(xs) != 3 or len(rs) != 4:
+        return "not [B, T, H*D] -> [B, T, H, D]"
+    if tuple(rs[:2]) != tuple(xs[:2]) or not all(isinstance(d, int) for d in (rs[2], rs[3], xs[2])) \
+            or rs[2] * rs[3] != xs[2] or any(isinstance(d, str) and "?" in d for d in xs[:2]):  # type: ignore[operator]
+        return "reshape does not split the feature axis into heads"
+    return {"x": x, "heads": int(rs[2]), "out": n.output, "_nodes": [n, r]}
+
+
+SPLIT_HEADS = RaiseRule(
+    "split_heads", "Transpose", _match_split_heads,
+    lambda g, m: [(m["out"], new_node(g, "SplitHeads", [m["x"]], "split_heads", heads=m["heads"]))],
+    "[B,T,H*D] -> reshape [B,T,H,D] -> transpose -> SplitHeads")
+
+
+def _match_merge_heads(g: Graph, n: Node, u: Users) -> Match | str:
+    """Reshape(Transpose(a[B,H,T,D], [0,2,1,3]) -> [B,T,H*D]) -> MergeHeads(a)."""
+    t = prod(n.inputs[0], "Transpose")
+    if t is None or t.attrs.get("perm") != [0, 2, 1, 3]:
+        return "input is not a [0, 2, 1, 3] transpose"
+    a = t.inputs[0]
+    assert a is not None
+    s_a, s_o = a.shape, n.output.shape
+    if s_a is None or s_o is None or len(s_a) != 4 or len(s_o) not in (2, 3):
+        return "not [B, H, T, D] -> [B, T, H*D]"
+    if not (isinstance(s_a[1], int) and isinstance(s_a[3], int) and s_o[-1] == s_a[1] * s_a[3]):
+        return "reshape does not merge the heads"
+    if len(s_o) == 3 and (s_o[0] != s_a[0] or s_o[1] != s_a[2]):
+        return "reshape does not keep [B, T]"
+    if len(s_o) == 2 and (s_a[0] != 1 or s_o[0] != s_a[2]):  # GPT-2 flattens tokens for its Linear
+        return "reshape to 2-D is not [T, H*D] of a batch of 1"
+    return {"a": a, "out": n.output, "shape": n.inputs[1] if len(s_o) == 2 else None, "_nodes": [n, t]}
+
+
+def _rw_merge_heads(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    out = new_node(g, "MergeHeads", [m["a"]], "merge_heads")
+    if m["shape"] is not None:  # keep the flattening; the next Linear sweep folds it away
+        out = new_node(g, "Reshape", [out, m["shape"]], "flatten_tokens")
+    return [(m["out"], out)]
+
+
+MERGE_HEADS = RaiseRule("merge_heads", "Reshape", _match_merge_heads, _rw_merge_heads,
+                        "[B,H,T,D] -> transpose -> reshape [B,T,H*D] -> MergeHeads")

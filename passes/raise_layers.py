@@ -76,12 +76,17 @@ EMBEDDING = RaiseRule("embedding", "Gather", _match_embedding, _rw_embedding,
 
 def _match_linear(g: Graph, n: Node, u: Users) -> Match | str:
     x, w = n.inputs[0], n.inputs[1]
-    if const2d(w) is None:
-        return "right operand is not a constant matrix"
     assert x is not None and w is not None
+    tr = prod(w, "Transpose")
+    w_nk = None  # the weight already in [out, in] layout: MatMul(x, Transpose(W[N,K]))
+    if tr is not None and tr.attrs.get("perm") == [1, 0] and const2d(tr.inputs[0]) is not None:
+        # Tied LM heads read the embedding table transposed; too large to fold, free to view.
+        w_nk = tr.inputs[0]
+    elif const2d(w) is None:
+        return "right operand is not a constant matrix"
     if x.dtype != w.dtype:
         return "activation and weight dtypes differ"
-    m: Match = {"x": x, "w": w, "out": n.output, "bias": None, "_nodes": [n]}
+    m: Match = {"x": x, "w": w, "w_nk": w_nk, "out": n.output, "bias": None, "_nodes": [n]}
     add = u.only(n.output, "Add")
     if add is not None:
         b = other(add, n.output)
@@ -94,7 +99,7 @@ def _match_linear(g: Graph, n: Node, u: Users) -> Match | str:
 
 def _rw_linear(g: Graph, m: Match) -> list[tuple[Value, Value]]:
     w: Value = m["w"]
-    wt = g.add_const(w.name + ".T", _transpose_view(w.data), unique=True)
+    wt = m["w_nk"] if m["w_nk"] is not None else g.add_const(w.name + ".T", _transpose_view(w.data), unique=True)
     ins = [m["x"], wt] + ([m["bias"]] if m["bias"] is not None else [])
     return [(m["out"], new_node(g, "Linear", ins, "linear"))]
 
@@ -395,3 +400,53 @@ def _rw_gated_fused(g: Graph, m: Match) -> list[tuple[Value, Value]]:
 
 GATED_MLP_FUSED = RaiseRule("gated_mlp_fused", "Linear", _match_gated_fused, _rw_gated_fused,
                             "down(act(gate_up(x)[:F]) * gate_up(x)[F:]) -> GatedMLP (Phi-3)")
+
+
+# ---- fused projections (GPT-2 c_attn, Phi-3 qkv_proj) ---------------------------------------------
+
+def _match_split_linear(g: Graph, n: Node, u: Users) -> Match | str:
+    """Split/Slice of a Linear's output along features -> one Linear per part (weight row views)."""
+    lin = prod(n.inputs[0], "Linear")
+    if lin is None:
+        return "input is not a Linear"
+    w = lin.inputs[1]
+    assert w is not None and w.shape is not None
+    rank = n.inputs[0].type.rank  # type: ignore[union-attr]
+    users = u.of(lin.output)
+    if any(x.op not in ("Split", "Slice") for x in users) or id(lin.output) in u.outputs:
+        return "the Linear has users other than splits"
+    if n.op == "Split":
+        if rank is None or n.attrs.get("axis", 0) % rank != rank - 1:
+            return "split is not along the feature axis"
+        bounds, start = [], 0
+        for size in n.attrs["split"]:
+            bounds.append((start, start + int(size)))
+            start += int(size)
+        return {"lin": lin, "parts": list(zip(n.outputs, bounds)), "_nodes": [n]}
+    from .raise_attention import _slice_bounds
+
+    b = _slice_bounds(n)
+    if b is None or rank is None or b[2] % rank != rank - 1:
+        return "slice is not a constant range along the feature axis"
+    n_out = int(w.shape[0])
+    return {"lin": lin, "parts": [(n.output, (b[0], min(b[1], n_out)))], "_nodes": [n]}
+
+
+def _rw_split_linear(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    lin: Node = m["lin"]
+    w, bias = lin.inputs[1], lin.input(2)
+    assert w is not None
+    out = []
+    for v, (lo, hi) in m["parts"]:
+        wv = g.add_const(f"{w.name}.rows{lo}_{hi}", w.data[lo:hi], unique=True)  # a view, no copy
+        ins = [lin.inputs[0], wv]
+        if bias is not None:
+            ins.append(g.add_const(f"{bias.name}.rows{lo}_{hi}", bias.data[lo:hi], unique=True))
+        out.append((v, new_node(g, "Linear", ins, "linear")))
+    return out
+
+
+SPLIT_LINEAR = RaiseRule("split_linear", "Split", _match_split_linear, _rw_split_linear,
+                         "Split(Linear(x, W)) -> Linear(x, W[rows]) per part (fused QKV)")
+SLICE_LINEAR = RaiseRule("slice_linear", "Slice", _match_split_linear, _rw_split_linear,
+                         "Slice(Linear(x, W), a:b) -> Linear(x, W[a:b]) (fused QKV)")

@@ -83,9 +83,9 @@ def _pow(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @kernel("Mod")
 def _mod(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     a, b = xs
-    if node.attrs.get("fmod", 0) or a.dtype.is_floating_point:
-        return [torch.fmod(a, b)]
-    return [torch.remainder(a, b)]
+    if node.attrs.get("fmod", 0):
+        return [torch.fmod(a, b)]  # C fmod: the result takes the dividend's sign
+    return [torch.remainder(a, b)]  # Python mod: the result takes the divisor's sign
 
 
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -94,8 +94,8 @@ _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "LessOrEqual": torch.le, "Greater": torch.gt, "GreaterOrEqual": torch.ge,
     "And": torch.logical_and, "Or": torch.logical_or, "Xor": torch.logical_xor,
 }
-for _name, _fn in _BINARY.items():
-    KERNELS[_name] = (lambda f: (lambda node, xs: [f(xs[0], xs[1])]))(_fn)
+for _name, _bfn in _BINARY.items():
+    KERNELS[_name] = (lambda f: (lambda node, xs: [f(xs[0], xs[1])]))(_bfn)
 
 
 @kernel("Where")
@@ -137,13 +137,28 @@ def _reduce(fn: Callable[..., torch.Tensor]) -> Kernel:
     return k
 
 
+def _empty_reduce(x: torch.Tensor, axes: list[int], keep: bool, fill: float | bool) -> torch.Tensor:
+    """Reducing over an empty set yields the op's identity element (ONNX: -inf for max, ...)."""
+    shape = [1 if i in axes else d for i, d in enumerate(x.shape) if keep or i not in axes]
+    if x.dtype == torch.bool:
+        return torch.full(shape, bool(fill), dtype=torch.bool)
+    if not x.dtype.is_floating_point and abs(fill) == float("inf"):
+        info = torch.iinfo(x.dtype)
+        fill = info.min if fill < 0 else info.max
+    return torch.full(shape, fill, dtype=x.dtype)
+
+
 def _amax(x: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:
+    if any(x.shape[a] == 0 for a in axes):
+        return _empty_reduce(x, axes, keep, False if x.dtype == torch.bool else float("-inf"))
     if x.dtype == torch.bool:
         return torch.amax(x.to(torch.uint8), dim=axes, keepdim=keep).bool()
     return torch.amax(x, dim=axes, keepdim=keep)
 
 
 def _amin(x: torch.Tensor, axes: list[int], keep: bool) -> torch.Tensor:
+    if any(x.shape[a] == 0 for a in axes):
+        return _empty_reduce(x, axes, keep, True if x.dtype == torch.bool else float("inf"))
     if x.dtype == torch.bool:
         return torch.amin(x.to(torch.uint8), dim=axes, keepdim=keep).bool()
     return torch.amin(x, dim=axes, keepdim=keep)
@@ -220,7 +235,7 @@ def _slice(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     starts, ends = xs[1].tolist(), xs[2].tolist()
     axes = xs[3].tolist() if len(xs) > 3 and xs[3] is not None else list(range(len(starts)))
     steps = xs[4].tolist() if len(xs) > 4 and xs[4] is not None else [1] * len(starts)
-    for s, e, a, st in zip(starts, ends, axes, steps):
+    for s, e, a, st in zip(starts, ends, axes, steps, strict=False):
         a = a % x.dim()
         n = x.shape[a]
         start, stop, step = slice(int(s), int(e), int(st)).indices(n)
@@ -440,6 +455,19 @@ def _mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [F.linear(_act(node.attrs.get("activation", "gelu"), F.linear(x, wu, bu)), wd, bd)]
 
 
+@kernel("SplitHeads")
+def _split_heads(node: Node, xs: list[Any]) -> list[torch.Tensor]:
+    b, t, hd = xs[0].shape
+    h = node.attrs["heads"]
+    return [xs[0].reshape(b, t, h, hd // h).transpose(1, 2)]
+
+
+@kernel("MergeHeads")
+def _merge_heads(node: Node, xs: list[Any]) -> list[torch.Tensor]:
+    b, h, t, d = xs[0].shape
+    return [xs[0].transpose(1, 2).reshape(b, t, h * d)]
+
+
 @kernel("Positions")
 def _positions(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     past = int(xs[1].reshape(-1)[0]) if len(xs) > 1 and xs[1] is not None else 0
@@ -561,11 +589,15 @@ class ReferenceExecutor:
                 outs = k(node, args)
             except ZlcError:
                 raise
-            except (RuntimeError, IndexError, ValueError) as e:
+            except Exception as e:  # a kernel failing on what it was given: report the node
                 shapes = [None if a is None else tuple(a.shape) for a in args]
+                first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ShapeError(f"node '{node.name}' ({node.op}) failed on input shapes {shapes}: "
-                                 f"{str(e).splitlines()[0]}") from e
-            for o, t in zip(node.outputs, outs):
+                                 f"{first}") from e
+            if len(outs) != len(node.outputs):
+                raise ShapeError(f"node '{node.name}' ({node.op}) produced {len(outs)} outputs, "
+                                 f"its graph node has {len(node.outputs)}")
+            for o, t in zip(node.outputs, outs, strict=True):
                 env[id(o)] = t
                 if keep:
                     named[o.name] = t
