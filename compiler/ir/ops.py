@@ -30,14 +30,16 @@ class OpDef:
     min_inputs: int
     max_inputs: int  # -1: variadic
     doc: str = ""
+    optional: tuple[int, ...] = ()  # inputs below min_inputs that may still be absent (None)
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def _def(name: str, level: str, min_in: int, max_in: int, doc: str = "") -> Callable[[Infer], Infer]:
+def _def(name: str, level: str, min_in: int, max_in: int, doc: str = "",
+         optional: tuple[int, ...] = ()) -> Callable[[Infer], Infer]:
     def deco(fn: Infer) -> Infer:
-        OPS[name] = OpDef(name, level, fn, min_in, max_in, doc)
+        OPS[name] = OpDef(name, level, fn, min_in, max_in, doc, optional)
         return fn
 
     return deco
@@ -155,6 +157,9 @@ def _binary(node: Node) -> list[TensorType]:
 
 for _n in BINARY + COMPARE + LOGICAL:
     _def(_n, "primitive", 2, 2)(_binary)
+OPS["Mod"] = OpDef("Mod", "primitive", _binary, 2, 2,
+                   "attrs: fmod (1: C fmod, the result has the dividend's sign; 0: Python-style mod, "
+                   "the result has the divisor's sign), for integer and float inputs alike")
 
 for _n in ("IsNaN", "IsInf"):
     _def(_n, "primitive", 1, 1)(lambda n: [TensorType(DType.bool, _t(n.inputs[0]).shape)])
@@ -445,6 +450,11 @@ def _expand(node: Node) -> list[TensorType]:
     x = _t(node.inputs[0])
     target = _elems(node.inputs[1])
     if target is None:
+        st = _t(node.inputs[1]).shape
+        if x.shape is not None and st is not None and len(st) == 1 and _is_int(st[0]):
+            # Rank is known even when the target's elements are not.
+            r = max(len(x.shape), int(st[0]))
+            return [TensorType(x.dtype, tuple(f"?{node.name}.{i}" for i in range(r)))]
         return [TensorType(x.dtype, None)]
     return [TensorType(x.dtype, broadcast([x.shape, tuple(target)], node))]
 
@@ -576,7 +586,7 @@ def _gated_mlp(node: Node) -> list[TensorType]:
 
 
 @_def("MLP", "transformer", 5, 5,
-      "inputs: x, w_up[F, H], b_up?, w_down[H, F], b_down?; attrs: activation")
+      "inputs: x, w_up[F, H], b_up?, w_down[H, F], b_down?; attrs: activation", optional=(2, 4))
 def _mlp(node: Node) -> list[TensorType]:
     return [_t(node.inputs[0])]
 
@@ -587,6 +597,21 @@ def _mlp(node: Node) -> list[TensorType]:
 def _positions(node: Node) -> list[TensorType]:
     ids = _need_rank(node.inputs[0], 2, node, "ids [B, T]")
     return [TensorType(DType.i64, (1, ids[1]))]
+
+
+@_def("SplitHeads", "transformer", 1, 1, "x[B, T, H*D] -> [B, H, T, D]; attrs: heads")
+def _split_heads(node: Node) -> list[TensorType]:
+    b, t, hd = _need_rank(node.inputs[0], 3, node, "x [B, T, H*D]")
+    h = int(node.attrs["heads"])
+    if not _is_int(hd) or int(hd) % h:
+        raise ShapeError(f"SplitHeads '{node.name}': {hd} features do not split into {h} heads")
+    return [TensorType(_t(node.inputs[0]).dtype, (b, h, t, int(hd) // h))]
+
+
+@_def("MergeHeads", "transformer", 1, 1, "x[B, H, T, D] -> [B, T, H*D]")
+def _merge_heads(node: Node) -> list[TensorType]:
+    b, h, t, d = _need_rank(node.inputs[0], 4, node, "x [B, H, T, D]")
+    return [TensorType(_t(node.inputs[0]).dtype, (b, t, dim_mul(h, d)))]
 
 
 TRANSFORMER_OPS = frozenset(k for k, v in OPS.items() if v.level == "transformer")
@@ -602,7 +627,7 @@ def infer_types(node: Node, n_outputs: int = 1) -> list[TensorType]:
     if n < d.min_inputs or (d.max_inputs >= 0 and n > d.max_inputs):
         raise ShapeError(f"{node.op} '{node.name}' takes {d.min_inputs}..{d.max_inputs} inputs, got {n}")
     for i, v in enumerate(node.inputs):
-        if v is None and i < d.min_inputs:
+        if v is None and i < d.min_inputs and i not in d.optional:
             raise ShapeError(f"{node.op} '{node.name}': required input {i} is missing")
     return d.infer(node)
 
@@ -623,9 +648,35 @@ def _sym_binary(op: str, a: Dim, b: Dim) -> Dim | None:
     return None
 
 
+def _sym_equal(a: Dim, b: Dim) -> int | None:
+    """1/0 when the equality of two dims is decidable: ints, the same symbol, or a symbol (a
+    non-negative extent) against a negative int; None otherwise."""
+    if _is_int(a) and _is_int(b):
+        return int(int(a) == int(b))
+    if a == b:
+        return 1
+    if (_is_int(a) and int(a) < 0) or (_is_int(b) and int(b) < 0):
+        return 0
+    return None
+
+
 def infer_sym(node: Node) -> None:
     """Propagates known elements of small integer tensors (shape arithmetic)."""
-    if not node.outputs or node.outputs[0].dtype not in (DType.i64, DType.i32):
+    if not node.outputs:
+        return
+    if node.op == "Equal" and node.outputs[0].dtype == DType.bool:
+        a, b = _elems(node.inputs[0]), _elems(node.inputs[1])
+        if a is not None and b is not None and len(a) == len(b):
+            eq = [_sym_equal(x, y) for x, y in zip(a, b)]
+            if all(e is not None for e in eq):
+                node.outputs[0].sym = tuple(eq)  # type: ignore[arg-type]
+        return
+    if node.op == "Where" and node.outputs[0].dtype in (DType.i64, DType.i32):
+        c, a, b = (_elems(v) for v in node.inputs)
+        if c is not None and a is not None and b is not None and len(c) == len(a) == len(b):
+            node.outputs[0].sym = tuple(x if k else y for k, x, y in zip(c, a, b))
+        return
+    if node.outputs[0].dtype not in (DType.i64, DType.i32):
         return
     out = node.outputs[0]
     op = node.op
