@@ -471,7 +471,8 @@ def _merge_heads(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 @kernel("Positions")
 def _positions(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     past = int(xs[1].reshape(-1)[0]) if len(xs) > 1 and xs[1] is not None else 0
-    return [torch.arange(past, past + xs[0].shape[1], dtype=torch.int64).unsqueeze(0)]
+    t = xs[0].shape[int(node.attrs.get("axis", 1))]
+    return [torch.arange(past, past + t, dtype=torch.int64).unsqueeze(0)]
 
 
 @kernel("RoPE")

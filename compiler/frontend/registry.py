@@ -35,11 +35,13 @@ class OpRegistry:
         if not entries:
             return None
         version = opset
-        if domain in ("", "ai.onnx"):
+        # ONNX Runtime registers a few ops of its own in the default domain (SimplifiedLayerNormalization);
+        # onnx.defs does not know them, so their converters are keyed by the opset itself.
+        if domain in ("", "ai.onnx") and onnx.defs.has(op, ""):
             try:
                 version = onnx.defs.get_schema(op, max_inclusive_version=opset, domain="").since_version
             except onnx.defs.SchemaError:
-                return None  # the op does not exist at this opset
+                return None  # the op does not exist yet at this opset
         best = None
         for since, fn in entries:
             if since <= version:

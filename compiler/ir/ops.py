@@ -217,7 +217,9 @@ def _axis_reduce(node: Node) -> list[TensorType]:
 
 for _n in ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2",
            "ReduceSumSquare", "ReduceLogSumExp"):
-    _def(_n, "primitive", 1, 1, "attrs: axes (list or None = all), keepdims")(_axis_reduce)
+    _def(_n, "primitive", 1, 1, "attrs: axes (list or None = all), keepdims" +
+         ("; over an empty axis the result is the identity (-inf / int min / False for max, "
+          "+inf / int max / True for min)" if _n in ("ReduceMax", "ReduceMin") else ""))(_axis_reduce)
 
 
 def _arg_reduce(node: Node) -> list[TensorType]:
@@ -576,6 +578,8 @@ def _attention(node: Node) -> list[TensorType]:
     v = _need_rank(node.inputs[2], 4, node, "v [B, Hkv, S, Dv]")
     if _is_int(q[1]) and _is_int(k[1]) and int(q[1]) % int(k[1]):
         raise ShapeError(f"Attention '{node.name}': {q[1]} query heads not a multiple of {k[1]} KV heads")
+    if _is_int(q[3]) and _is_int(k[3]) and q[3] != k[3]:
+        raise ShapeError(f"Attention '{node.name}': query head size {q[3]} != key head size {k[3]}")
     return [TensorType(_t(node.inputs[0]).dtype, (q[0], q[1], q[2], v[3]))]
 
 
@@ -592,11 +596,14 @@ def _mlp(node: Node) -> list[TensorType]:
 
 
 @_def("Positions", "transformer", 1, 2,
-      "inputs: ids[B, T], past_len? (i64 scalar); output i64[1, T] = past_len + arange(T): the "
-      "absolute positions of the current tokens, what RoPE tables are indexed by")
+      "inputs: ids[B, T] (or any activation with the tokens on axis `axis`: only that extent is "
+      "read), past_len? (i64 scalar); attrs: axis (default 1); output i64[1, T] = past_len + "
+      "arange(T): the absolute positions of the current tokens, what RoPE tables are indexed by")
 def _positions(node: Node) -> list[TensorType]:
-    ids = _need_rank(node.inputs[0], 2, node, "ids [B, T]")
-    return [TensorType(DType.i64, (1, ids[1]))]
+    x = _t(node.inputs[0])
+    if x.shape is None or len(x.shape) < 2:
+        raise ShapeError(f"Positions '{node.name}': input must have a token axis, got {x}")
+    return [TensorType(DType.i64, (1, x.shape[norm_axis(int(node.attrs.get("axis", 1)), len(x.shape), node)]))]
 
 
 @_def("SplitHeads", "transformer", 1, 1, "x[B, T, H*D] -> [B, H, T, D]; attrs: heads")
