@@ -178,4 +178,6 @@ def lower(model: Any, example_inputs: tuple[Any, ...] | None = None, *,
             observer("kv-cache", decode)
     elif not done and opts.kv_cache and not opts.raise_ops:
         raise PassError("KV-cache synthesis needs raising (raise_ops=True)")
-    return Lowered(g, prefill, decode, stages, hist_before, g.op_histogram(), refused, opts.max_seq)
+    # The histogram that matters is the decode graph's: what codegen will tile.
+    hist_after = decode.op_histogram() if decode is not None else g.op_histogram()
+    return Lowered(g, prefill, decode, stages, hist_before, hist_after, refused, opts.max_seq)

@@ -153,6 +153,32 @@ unsqueeze_squeeze = Rule(
     lambda m, g: m["x"],
 )
 
+slice_noop = Rule("slice_noop", P.op("Slice", P.var("x"), rest=True), _keeps_shape, lambda m, g: m["x"])
+
+
+def _empty_operands(m: Match) -> str | None:
+    n = m.root
+    rank = n.output.type.rank
+    if rank is None:
+        return "unknown rank"
+    axis = n.attrs["axis"] % rank
+    empty = [v for v in n.inputs if v is not None and v.shape is not None and v.shape[axis] == 0]
+    if not empty:
+        return "no zero-size operand"
+    if len(empty) == len(n.inputs):
+        return "every operand is empty"
+    return None
+
+
+def _drop_empty(m: Match, g: Graph) -> Value:
+    n = m.root
+    axis = n.attrs["axis"] % (n.output.type.rank or 1)
+    keep = [v for v in n.inputs if not (v is not None and v.shape is not None and v.shape[axis] == 0)]
+    return keep[0] if len(keep) == 1 else g.make_node("Concat", keep, dict(n.attrs)).output
+
+
+# Partial-rotary exports with a full rotary dim concatenate an empty pass-through slice.
+concat_empty = Rule("concat_empty", P.op("Concat", P.var("x"), rest=True), _empty_operands, _drop_empty)
 concat_single = Rule("concat_single", P.op("Concat", P.var("x")), None, lambda m, g: m["x"])
 neg_neg = Rule("neg_neg", P.op("Neg", P.op("Neg", P.var("x"))), None, lambda m, g: m["x"])
 
@@ -197,7 +223,7 @@ const_to_right = Rule(
 
 RULES: list[Rule] = [
     identity, cast_same, reshape_reshape, reshape_noop, transpose_transpose, transpose_identity,
-    unsqueeze_squeeze, concat_single, neg_neg, mul_one, div_one, add_zero, sub_zero, expand_noop, const_to_right,
+    unsqueeze_squeeze, slice_noop, concat_empty, concat_single, neg_neg, mul_one, div_one, add_zero, sub_zero, expand_noop, const_to_right,
 ]
 
 

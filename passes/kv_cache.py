@@ -99,10 +99,14 @@ def synthesize_kv_cache(g: Graph, max_seq: int) -> CachedModel:
         raise PassError("the model has no outputs besides its cache")
     # Positions become past_len-relative; a position_ids input is replaced by them.
     pos_node: Value | None = None
-    for n in g.nodes:
+    for n in list(g.nodes):
         if n.op == "Positions":
-            n.inputs = [n.inputs[0], past_len]
-            pos_node = n.output
+            if pos_node is None:  # one positions vector for the whole step, from the token ids
+                n.inputs = [ids, past_len]
+                n.attrs.pop("axis", None)
+                pos_node = n.output
+            else:
+                g.replace_uses(n.output, pos_node)
     for v in list(g.inputs):
         if roles.get(v.name) == probe.POSITIONS:
             if pos_node is None:

@@ -46,16 +46,28 @@ def classify_inputs(g: Graph) -> dict[str, str]:
 
 
 def closure(g: Graph, targets: Sequence[Value]) -> list[Node]:
-    """Nodes the targets depend on, in graph order."""
-    need: set[int] = set()
-    stack = [t.producer for t in targets if t.producer is not None]
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in need:
+    """Nodes the targets depend on, in dependency order (rewrites in progress may have appended
+    nodes out of order to g.nodes, so the order is computed here, not taken from the graph)."""
+    order: list[Node] = []
+    state: dict[int, int] = {}
+    for t in targets:
+        root = t.producer
+        if root is None or id(root) in state:
             continue
-        need.add(id(n))
-        stack.extend(v.producer for v in n.inputs if v is not None and v.producer is not None)
-    return [n for n in g.nodes if id(n) in need]
+        stack: list[tuple[Node, int]] = [(root, 0)]
+        state[id(root)] = 1
+        while stack:
+            n, i = stack.pop()
+            if i < len(n.inputs):
+                stack.append((n, i + 1))
+                v = n.inputs[i]
+                p = v.producer if v is not None else None
+                if p is not None and id(p) not in state:
+                    state[id(p)] = 1
+                    stack.append((p, 0))
+            else:
+                order.append(n)
+    return order
 
 
 def value_inputs(g: Graph, targets: Sequence[Value]) -> tuple[set[str], set[str]]:
@@ -91,6 +103,21 @@ def is_position_only(g: Graph, targets: Sequence[Value], allowed: Iterable[str] 
     return None
 
 
+def past_dims(g: Graph, v: Value) -> list[int]:
+    """Static dims of a past-cache input [B, H, past, D]. Exporters may name the head dims
+    symbolically (genai's `kv_cache_dim`); the new K/V concatenated onto it knows them."""
+    dims = [d if isinstance(d, int) else 1 for d in (v.shape or ())]
+    for n in g.nodes:
+        if n.op == "Concat" and any(x is v for x in n.inputs):
+            for x in n.inputs:
+                if x is not v and x is not None and x.shape is not None and len(x.shape) == len(dims):
+                    axis = n.attrs.get("axis", 0) % len(dims)
+                    dims = [int(o) if (i != axis and isinstance(o, int)) else d
+                            for i, (d, o) in enumerate(zip(dims, x.shape))]
+            break
+    return dims
+
+
 @dataclass(frozen=True)
 class Probe:
     past: int
@@ -117,7 +144,7 @@ def probe_feeds(g: Graph, names: Iterable[str], probe: Probe) -> dict[str, torch
             pos = torch.arange(probe.past, probe.past + probe.seq, dtype=dt)
             feeds[v.name] = pos.reshape([1] * (len(shape) - 1) + [probe.seq])
         elif role in (PAST_KEY, PAST_VALUE):
-            dims = [d if isinstance(d, int) else 1 for d in shape]
+            dims = past_dims(g, v)
             if len(dims) == 4:
                 dims[2] = probe.past
             feeds[v.name] = torch.zeros(dims, dtype=dt)
@@ -172,7 +199,14 @@ def try_evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch
         return f"probe failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
 
-PROBES = (Probe(0, 1), Probe(0, 5), Probe(0, 12), Probe(3, 1), Probe(7, 4))
+PROBES = (Probe(0, 1), Probe(0, 5), Probe(0, 12), Probe(3, 1), Probe(9, 1), Probe(7, 4))
+
+
+def optional_probe(p: Probe) -> bool:
+    """A chunk after a past: some exporters' masks only exist for prefill or one-token decode
+    (genai's MHA graph cannot run such a chunk in ONNX Runtime either). Where the source graph
+    cannot express a case, its meaning is defined by the cases it can."""
+    return p.past > 0 and p.seq > 1
 
 
 def classify_mask(g: Graph, mask: Value, additive: bool) -> str | None:
@@ -188,6 +222,8 @@ def classify_mask(g: Graph, mask: Value, additive: bool) -> str | None:
     for p in probes:
         res = try_evaluate(g, [mask], p)
         if isinstance(res, str):
+            if optional_probe(p):
+                continue
             return res
         m = res[0]
         total = p.past + p.seq

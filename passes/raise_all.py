@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from zlc.ir import Graph
 
-from .raise_attention import ATTENTION, MERGE_HEADS, ROPE, ROPE_TABLES, SPLIT_HEADS
+from .raise_attention import (
+    ATTENTION,
+    ATTENTION_GQA,
+    HEADS_ROUNDTRIP,
+    MERGE_HEADS,
+    ROPE,
+    ROPE_TABLES,
+    SPLIT_HEADS,
+    STATIC_SELECT,
+)
 from .raise_layers import (
     EMBEDDING,
     GATED_MLP,
@@ -26,10 +35,10 @@ RULE_SETS = [
     ("embedding", [EMBEDDING]),
     ("linear", [LINEAR, LINEAR_RESHAPE]),
     ("rope", [ROPE, ROPE_TABLES]),
-    ("attention", [ATTENTION]),
+    ("attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
     ("mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("fused_projections", [SPLIT_LINEAR, SLICE_LINEAR]),
-    ("heads", [SPLIT_HEADS, MERGE_HEADS]),
+    ("heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
     ("lm_head", [LM_HEAD]),
 ]
 

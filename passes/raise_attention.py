@@ -388,3 +388,83 @@ def _rw_merge_heads(g: Graph, m: Match) -> list[tuple[Value, Value]]:
 
 MERGE_HEADS = RaiseRule("merge_heads", "Reshape", _match_merge_heads, _rw_merge_heads,
                         "[B,H,T,D] -> transpose -> reshape [B,T,H*D] -> MergeHeads")
+
+
+# ---- position-only selects ------------------------------------------------------------------------
+
+def _match_static_select(g: Graph, n: Node, u: Users) -> Match | str:
+    """Where(cond, a, b) whose cond depends on positions only and is constant on every probe:
+    e.g. "zero fully-masked rows" after attention, which a causal mask never triggers."""
+    cond = n.inputs[0]
+    assert cond is not None
+    if cond.data is not None:
+        return "condition is a constant (folding's job)"
+    why = probe.is_position_only(g, [cond])
+    if why:
+        return f"condition {why}"
+    seen: set[bool] = set()
+    for pr in probe.PROBES:
+        got = probe.try_evaluate(g, [cond], pr)
+        if isinstance(got, str):
+            if probe.optional_probe(pr):
+                continue
+            return got
+        t = got[0].bool()
+        if bool(t.all()):
+            seen.add(True)
+        elif not bool(t.any()):
+            seen.add(False)
+        else:
+            return "condition is mixed"
+    if len(seen) != 1:
+        return "condition differs across probes"
+    pick = n.inputs[1] if seen.pop() else n.inputs[2]
+    assert pick is not None
+    if pick.type != n.output.type:
+        return "the selected branch alone has another shape (broadcast)"
+    return {"out": n.output, "pick": pick, "_nodes": [n]}
+
+
+STATIC_SELECT = RaiseRule("static_select", "Where", _match_static_select,
+                          lambda g, m: [(m["out"], m["pick"])],
+                          "Where with a position-only condition that is constant on all probes -> that branch")
+
+
+def _match_heads_roundtrip(g: Graph, n: Node, u: Users) -> Match | str:
+    """SplitHeads(MergeHeads(x)) with the same head count -> x (frontends that reshape around a
+    3-D op, e.g. contrib RotaryEmbedding, leave these pairs behind)."""
+    m = prod(n.inputs[0], "MergeHeads")
+    if m is None:
+        return "input is not MergeHeads"
+    x = m.inputs[0]
+    assert x is not None
+    if x.shape is None or x.shape[1] != n.attrs["heads"]:
+        return "head counts differ"
+    return {"out": n.output, "x": x, "_nodes": [n]}
+
+
+HEADS_ROUNDTRIP = RaiseRule("heads_roundtrip", "SplitHeads", _match_heads_roundtrip,
+                            lambda g, m: [(m["out"], m["x"])], "SplitHeads(MergeHeads(x)) -> x")
+
+
+def _match_attention_gqa(g: Graph, n: Node, u: Users) -> Match | str:
+    """Attention fed explicitly repeated K/V (genai's MHA graphs repeat KV heads before the op)
+    -> Attention on the KV heads themselves (GQA)."""
+    if n.input(3) is not None:
+        return "attention already reads a cache"
+    k, v = n.inputs[1], n.inputs[2]
+    assert k is not None and v is not None
+    k0, v0 = _unrepeat_kv(k), _unrepeat_kv(v)
+    if k0 is k or v0 is v:
+        return "K/V are not repeated heads"
+    return {"node": n, "k": k0, "v": v0, "out": n.output, "_nodes": [n]}
+
+
+def _rw_attention_gqa(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+    n: Node = m["node"]
+    out = g.add_node("Attention", [n.inputs[0], m["k"], m["v"]], dict(n.attrs), name="attention").output
+    return [(m["out"], out)]
+
+
+ATTENTION_GQA = RaiseRule("attention_gqa", "Attention", _match_attention_gqa, _rw_attention_gqa,
+                          "Attention(q, repeat(k), repeat(v)) -> Attention(q, k, v) with fewer KV heads")

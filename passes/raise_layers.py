@@ -413,7 +413,9 @@ def _match_split_linear(g: Graph, n: Node, u: Users) -> Match | str:
     assert w is not None and w.shape is not None
     rank = n.inputs[0].type.rank  # type: ignore[union-attr]
     users = u.of(lin.output)
-    if any(x.op not in ("Split", "Slice") for x in users) or id(lin.output) in u.outputs:
+    # Shape/Size users read only metadata (genai's GQA derives lengths from the packed QKV); the
+    # fused Linear stays for them and dies once KV-cache synthesis drops those length computations.
+    if any(x.op not in ("Split", "Slice", "Shape", "Size", "Positions") for x in users) or id(lin.output) in u.outputs:
         return "the Linear has users other than splits"
     if n.op == "Split":
         if rank is None or n.attrs.get("axis", 0) % rank != rank - 1:

@@ -324,6 +324,11 @@ def _concat(node: Node) -> list[TensorType]:
             raise ShapeError(f"Concat of ranks {[len(t.shape or ()) for t in ts]} at node '{node.name}'")
         total = dim_add(total, (t.shape or ())[ax])
     out[ax] = total
+    for i in range(r):  # other dims must agree: a static extent pins a symbolic one
+        if i != ax and not _is_int(out[i]):
+            static = [t.shape[i] for t in ts if t.shape is not None and _is_int(t.shape[i])]
+            if static:
+                out[i] = static[0]
     return [TensorType(ts[0].dtype, tuple(out))]
 
 
