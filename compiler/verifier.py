@@ -1,6 +1,6 @@
-"""`zlc verify`: runs a model in ONNX Runtime and in zlc (prefill of a prompt, then N decode steps
-with the synthesized KV cache) and reports max abs/rel logit error per step and greedy-token
-agreement. Both sides are driven with ONNX Runtime's greedy tokens (teacher forcing), so every
+"""`zlc verify` and `zlc.verify(...)`: runs a model in ONNX Runtime and in zlc (prefill of a prompt,
+then N decode steps with the synthesized KV cache) and reports max abs/rel logit error per step and
+greedy-token agreement. Both sides are driven with ONNX Runtime's greedy tokens (teacher forcing), so every
 step compares logits for the same sequence; `tokens_equal` says whether zlc's argmax agreed."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from .driver import CompileOptions, lower
+from .driver import CompileOptions, Observer, lower
 from .errors import ModelFormatError, ZlcError
 
 
 class OrtReference:
     """ONNX Runtime as the oracle, for stateless and cache-carrying (Optimum/genai) graphs."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], past_dims: dict[str, list[int]] | None = None):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -34,13 +34,16 @@ class OrtReference:
                         next(iter(self.inputs)))
         self.past = [n for n in self.inputs if "past" in n.lower() and "tensor(float" in self.inputs[n].type]
         self.stateless = not self.past
+        # Exporters may name head dims symbolically (genai's kv_cache_dim): the caller passes the
+        # static dims zlc's import resolved, else symbolic dims default to 1.
+        self.past_dims: dict[str, list[int]] = dict(past_dims or {})
         self.reset()
 
     def reset(self) -> None:
         self.tokens: list[int] = []
         self.cache: dict[str, np.ndarray] = {}
         for n in self.past:
-            shp = [d if isinstance(d, int) else 1 for d in self.inputs[n].shape]
+            shp = self.past_dims.get(n) or [d if isinstance(d, int) else 1 for d in self.inputs[n].shape]
             shp[2] = 0
             dt = np.float16 if "float16" in self.inputs[n].type else np.float32
             self.cache[n] = np.zeros(shp, dtype=dt)
@@ -63,7 +66,7 @@ class OrtReference:
         missing = [n for n in self.inputs if n not in feeds]
         if missing:
             raise ZlcError(f"verify does not know how to feed input(s) {missing} of the reference model")
-        res = dict(zip(self.outputs, self.sess.run(self.outputs, feeds)))
+        res = dict(zip(self.outputs, self.sess.run(self.outputs, feeds), strict=True))
         for n in self.past:
             present = n.replace("past_key_values", "present")
             if present not in res:
@@ -100,11 +103,18 @@ class VerifyReport:
 
     def summary(self) -> str:
         worst = max(self.decode_max_abs) if self.decode_max_abs else 0.0
-        agree = sum(a == b for a, b in zip(self.tokens_ref, self.tokens_zlc))
+        agree = sum(a == b for a, b in zip(self.tokens_ref, self.tokens_zlc, strict=True))
         return (f"{self.model}: prefill max abs {self.prefill_max_abs:.3g} (rel {self.prefill_max_rel:.3g}), "
                 f"decode max abs {worst:.3g} over {len(self.decode_max_abs)} steps, "
                 f"greedy tokens {agree}/{len(self.tokens_ref)} equal -> {'PASS' if self.ok else 'FAIL'} "
                 f"(atol {self.atol:g})")
+
+
+def check_token_ids(ids: list[int], vocab: int) -> None:
+    """Out-of-range ids would fail deep inside an executor; say so up front."""
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ZlcError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
 def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
@@ -114,9 +124,9 @@ def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
 
 def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None, prompt_len: int = 8,
            steps: int = 32, atol: float = 1e-3, max_seq: int | None = None, seed: int = 0,
-           options: CompileOptions | None = None) -> VerifyReport:
+           options: CompileOptions | None = None, observer: Observer | None = None) -> VerifyReport:
     """Compares zlc against ONNX Runtime on `model` (an .onnx path). Raises ZlcError on bad input;
-    the report's `ok` says whether it passed."""
+    the report's `ok` says whether it passed. `observer` sees each lowering stage (progress)."""
     from zlc.runtime.session import ReferenceSession
 
     path = Path(model)
@@ -124,14 +134,21 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
     opts = options or CompileOptions(max_seq=max_seq or max(need, 64))
     if need > opts.max_seq:
         raise ZlcError(f"prompt ({need - steps}) + steps ({steps}) exceed max_seq={opts.max_seq}")
-    lowered = lower(path, options=opts)
-    ref = OrtReference(path)
+    lowered = lower(path, options=opts, observer=observer)
+    from zlc.passes.probe import PAST_KEY, PAST_VALUE, classify_inputs, past_dims
+
+    roles = classify_inputs(lowered.graph)
+    dims = {v.name: past_dims(lowered.graph, v) for v in lowered.graph.inputs
+            if roles.get(v.name) in (PAST_KEY, PAST_VALUE)}
+    ref = OrtReference(path, dims)
     sess = ReferenceSession.from_lowered(lowered)
     vocab = lowered.graph.outputs[0].shape[-1]  # type: ignore[index]
     if prompt_ids is None:
         rng = np.random.default_rng(seed)
         hi = vocab if isinstance(vocab, int) else 100
         prompt_ids = [int(x) for x in rng.integers(0, hi, prompt_len)]
+    elif isinstance(vocab, int):
+        check_token_ids(prompt_ids, vocab)
     r = ref.feed(list(prompt_ids))
     z = sess.prefill(list(prompt_ids)).numpy()
     pa, pr = _errors(r, z)

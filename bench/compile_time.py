@@ -1,0 +1,96 @@
+"""Compile-time benchmark (CPU): how long `zlc.lower` takes per pipeline stage.
+
+    python bench/compile_time.py                   # the tiny example model (zoo llama, opset 20)
+    python bench/compile_time.py --smollm2         # plus SmolLM2-135M (zoo export, ~540 MB, once)
+    python bench/compile_time.py MODEL.onnx ...    # any ONNX files
+
+Each model is lowered --repeat times in this process; the table shows the median seconds per
+stage (the first run also pays one-time imports, so it is reported separately), node counts and
+the peak resident memory of the process. Each model runs in its own process (exports first, so
+exporting does not count). Output is markdown, ready for docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zlc
+
+
+def lower_times(path: Path, repeat: int, max_seq: int) -> tuple[float, dict[str, float], zlc.Lowered]:
+    """(first run's total, median seconds per stage over the runs after it, last result)."""
+    runs: list[dict[str, float]] = []
+    first = 0.0
+    lowered = None
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        lowered = zlc.lower(path, options=zlc.CompileOptions(max_seq=max_seq))
+        if i == 0:
+            first = time.perf_counter() - t
+        else:
+            runs.append({s.name: s.seconds for s in lowered.stages})
+    assert lowered is not None
+    return first, {k: statistics.median(r[k] for r in runs) for k in runs[0]}, lowered
+
+
+def report(path: Path, repeat: int, max_seq: int) -> list[str]:
+    first, med, lowered = lower_times(path, repeat, max_seq)
+    nodes = {s.name: s.nodes for s in lowered.stages}
+    size_mb = sum(f.stat().st_size for f in (path, path.with_name(path.name + ".data")) if f.exists()) / 1e6
+    lines = [f"**{path.name}** ({size_mb:.1f} MB, max_seq {max_seq}): first run {first:.2f} s, "
+             f"then median of {repeat}: {sum(med.values()):.2f} s", "",
+             "| stage | seconds | nodes after |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.3f} | {nodes[k]} |" for k, v in med.items()]
+    before, after = sum(lowered.histogram_before.values()), sum(lowered.histogram_after.values())
+    lines += ["", f"nodes {before} → {after}; peak RSS {peak_rss_mb():.0f} MB", ""]
+    return lines
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", type=Path)
+    ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (zoo export)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one model
+    args = ap.parse_args()
+    if args.one:
+        print("\n".join(report(args.models[0], args.repeat, args.max_seq)), flush=True)
+        return
+    from zlc import zoo
+
+    models = list(args.models) or [zoo.cached("stateless", "llama", 20)]
+    if args.smollm2:
+        models.append(zoo.cached_smollm2())
+    print(f"{platform.machine()}, {_cpus()} CPUs, Python {platform.python_version()}, torch "
+          f"{_version('torch')}, onnxruntime {_version('onnxruntime')}\n", flush=True)
+    for m in models:
+        subprocess.run([sys.executable, __file__, "--one", str(m), "--repeat", str(args.repeat),
+                        "--max-seq", str(args.max_seq)], check=True)
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""The `zlc` command line: verify, inspect and run models (click + rich).
+
+Errors: every ZlcError is one red line on stderr and exits with `err.exit_code`; click usage errors
+are one line too (exit 2); anything else is an "internal error" line (exit 70) with a hint to rerun
+with `--debug`, which shows tracebacks. Results go to stdout, progress and errors to stderr, so
+`zlc inspect --ir m.onnx > m.zir` and `zlc verify --json` stay machine-readable.
+
+Heavy imports (torch, ONNX, ONNX Runtime) happen inside the commands, so `zlc --help` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import __version__
+from .errors import VerificationError, ZlcError
+
+if TYPE_CHECKING:
+    from .driver import Lowered
+    from .ir import Graph
+    from .verifier import VerifyReport
+
+EXIT_USAGE = 2  # click's convention
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in zlc, not in the user's input
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `zlc inspect --ir m.onnx | head` ends with
+
+# Mirrors zlc.driver.STAGES; kept here so `--help` does not import the driver (and torch).
+STAGE_NAMES = ("import", "fold", "canonicalize", "cse", "dce", "raise", "cleanup", "kv-cache")
+
+_settings = {"debug": False}
+
+
+def _out() -> Console:
+    # Built per use: click's CliRunner swaps sys.stdout between invocations.
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(msg.split()) or "(no message)"
+
+
+def _error_line(msg: str) -> None:
+    _err().print(f"[bold red]error:[/] {escape(_one_line(msg))}")
+
+
+# ---- the group: one place that turns exceptions into exit codes ------------------------------
+
+class ZlcGroup(click.Group):
+    """Runs click in non-standalone mode so that every failure is reported here, the same way under
+    the console script and click's CliRunner."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        _settings["debug"] = False
+        try:
+            with warnings.catch_warnings():  # the --debug callback sets the filter for this run only
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except BaseException as e:  # noqa: B036 - SystemExit/KeyboardInterrupt are mapped too
+            sys.exit(_exit_code_for(e))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _exit_code_for(e: BaseException) -> int:
+    """Reports `e` (one line, or a traceback with --debug) and returns the process exit code."""
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if isinstance(e, BrokenPipeError):  # the reader went away: nothing to report
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    if _settings["debug"] and not isinstance(e, click.ClickException):
+        traceback.print_exception(e)
+    if isinstance(e, click.UsageError):
+        where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        _error_line(e.format_message() + where)
+        return EXIT_USAGE
+    if isinstance(e, click.ClickException):
+        _error_line(e.format_message())
+        return e.exit_code
+    if isinstance(e, (KeyboardInterrupt, click.Abort)):
+        _error_line("interrupted")
+        return EXIT_INTERRUPTED
+    if isinstance(e, ZlcError):
+        _error_line(str(e))
+        return e.exit_code
+    _error_line(f"internal error: {type(e).__name__}: {e} -- this is a bug in zlc; "
+                "rerun with 'zlc --debug ...' for the traceback and report it")
+    return EXIT_INTERNAL
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null so the interpreter's final flush does not fail again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # not a real file (CliRunner)
+        pass
+
+
+@click.group(cls=ZlcGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", prog_name="zlc", message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, help="Show tracebacks and library warnings.")
+def cli(debug: bool) -> None:
+    """zlc: a static-graph fusion compiler for transformer LLMs.
+
+    MODEL is an ONNX file of a decoder-only LM (token ids -> logits; stateless, Optimum-style
+    KV-cache or onnxruntime-genai-style graphs).
+    """
+    _settings["debug"] = debug
+    if not debug:
+        warnings.simplefilter("ignore")  # exporter/runtime warnings are noise for CLI users
+
+
+# ---- shared options and helpers ----------------------------------------------------------------
+
+class IdList(click.ParamType):
+    """Comma-separated token ids: 1,2,3."""
+
+    name = "IDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        try:
+            ids = [int(x) for x in str(value).replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            self.fail(f"expected comma-separated integers like 1,2,3, got '{value}'", param, ctx)
+        if not ids:
+            self.fail("needs at least one token id", param, ctx)
+        return ids
+
+
+MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+MAX_SEQ = click.option("--max-seq", type=click.IntRange(min=1), default=None,
+                       help="Positions the KV cache and rotary tables hold.")
+
+
+class StageProgress:
+    """A rich status line on stderr naming the pipeline stage being run, and a line per finished
+    stage (terminals only: piped stderr stays clean). Used as the driver's `observer`."""
+
+    def __init__(self, what: str, then: str = ""):
+        self.console = _err()
+        self.what, self.then = what, then
+        self.status = self.console.status("") if self.console.is_terminal else None
+        self.t = time.perf_counter()
+
+    def __enter__(self) -> StageProgress:
+        if self.status is not None:
+            self.status.start()
+        self.show(f"{STAGE_NAMES[0]} (1/{len(STAGE_NAMES)})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.status is not None:
+            self.status.stop()
+
+    def show(self, text: str) -> None:
+        if self.status is not None:
+            self.status.update(f"{escape(self.what)}: {escape(text)}")
+
+    def __call__(self, stage: str, graph: Graph) -> None:
+        if self.status is None:
+            return
+        now = time.perf_counter()
+        took, self.t = now - self.t, now
+        self.console.print(f"[green]✓[/] {escape(stage):<12} {len(graph.nodes):>6} nodes {took:>7.2f} s")
+        i = STAGE_NAMES.index(stage) + 1 if stage in STAGE_NAMES else len(STAGE_NAMES)
+        if i < len(STAGE_NAMES):
+            self.show(f"{STAGE_NAMES[i]} ({i + 1}/{len(STAGE_NAMES)})")
+        elif self.then:
+            self.show(self.then)
+
+
+@contextmanager
+def progress(what: str, then: str = "") -> Iterator[StageProgress]:
+    with StageProgress(what, then) as p:
+        yield p
+
+
+def _check_stage(name: str | None) -> None:
+    if name is not None and name not in STAGE_NAMES:
+        raise ZlcError(f"unknown stage '{name}'; stages: {', '.join(STAGE_NAMES)}")
+
+
+def _histogram_table(before: dict[str, int], after: dict[str, int]) -> Table:
+    t = Table(title="op histogram (before -> after raising)", title_justify="left")
+    t.add_column("op")
+    t.add_column("before", justify="right")
+    t.add_column("after", justify="right")
+    ops = sorted(set(before) | set(after), key=lambda o: (-after.get(o, 0), -before.get(o, 0), o))
+    for op in ops:
+        t.add_row(op, str(before.get(op, "")), str(after.get(op, "")))
+    t.add_row("[bold]total[/]", str(sum(before.values())), str(sum(after.values())))
+    return t
+
+
+# ---- zlc verify -----------------------------------------------------------------------------------
+
+@cli.command()
+@MODEL
+@click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Decode steps after the prompt.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Length of the random prompt (ignored with --prompt-ids).")
+@click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
+@click.option("--atol", type=click.FloatRange(min=0), default=1e-3, show_default=True,
+              help="Max abs logit error allowed.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt.")
+@MAX_SEQ
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | None, atol: float,
+           seed: int, max_seq: int | None, as_json: bool) -> None:
+    """Compare zlc against ONNX Runtime: prefill a prompt, then STEPS decode steps with zlc's KV
+    cache; report logit errors and greedy-token agreement. Exits 0 on pass, 2 beyond tolerance."""
+    with progress(f"verify {model.name}", then="comparing with ONNX Runtime") as p:
+        from .verifier import verify as run_verify
+
+        rep = run_verify(model, prompt_ids=prompt_ids, prompt_len=prompt_len, steps=steps, atol=atol,
+                         max_seq=max_seq, seed=seed, observer=p)
+    if as_json:
+        click.echo(json.dumps(_report_json(rep), indent=2))
+    else:
+        _print_report(rep)
+    if not rep.ok:
+        raise VerificationError(f"verification failed: {rep.summary()}")
+
+
+def _report_json(rep: VerifyReport) -> dict[str, Any]:
+    return {**asdict(rep), "ok": rep.ok, "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal}
+
+
+def _mark(ok: bool) -> str:
+    return "[green]✓[/]" if ok else "[red]✗[/]"
+
+
+def _print_report(rep: VerifyReport) -> None:
+    out = _out()
+    t = Table(title=f"zlc verify {escape(rep.model)} vs ONNX Runtime "
+                    f"(prompt {len(rep.prompt)} tokens, {len(rep.tokens_ref)} greedy steps, atol {rep.atol:g})",
+              title_justify="left")
+    t.add_column("check")
+    t.add_column("max abs", justify="right")
+    t.add_column("max rel", justify="right")
+    t.add_column("", justify="center")
+    t.add_row("prefill logits", f"{rep.prefill_max_abs:.3g}", f"{rep.prefill_max_rel:.3g}",
+              _mark(rep.prefill_max_abs <= rep.atol))
+    if rep.decode_max_abs:
+        worst = max(rep.decode_max_abs)
+        t.add_row(f"decode logits ({len(rep.decode_max_abs)} steps, worst)", f"{worst:.3g}",
+                  f"{max(rep.decode_max_rel):.3g}", _mark(worst <= rep.atol))
+    agree = sum(a == b for a, b in zip(rep.tokens_ref, rep.tokens_zlc, strict=True))
+    t.add_row("greedy tokens equal", f"{agree}/{len(rep.tokens_ref)}", "", _mark(rep.tokens_equal))
+    out.print(t)
+    out.print(_histogram_table(rep.histogram_before, rep.histogram_after))
+    out.print("[bold green]PASS[/]" if rep.ok else "[bold red]FAIL[/]")
+
+
+# ---- zlc inspect ----------------------------------------------------------------------------------
+
+@cli.command()
+@MODEL
+@click.option("--ir", "show_ir", is_flag=True, help="Print the IR text (default: the final decode graph).")
+@click.option("--after", "after", metavar="STAGE", default=None,
+              help=f"Stop the pipeline after STAGE and dump that graph: {', '.join(STAGE_NAMES)}.")
+@click.option("--prefill", is_flag=True, help="With the kv-cache stage, dump the prefill graph instead.")
+@click.option("--stats", is_flag=True, help="Per-stage time, node count and statistics; op histograms.")
+@click.option("--explain", is_flag=True, help="Why raising rules refused to match (rule, reason, count).")
+@MAX_SEQ
+def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats: bool, explain: bool,
+            max_seq: int | None) -> None:
+    """Lower MODEL and show what the compiler did. Without flags: the stage statistics."""
+    _check_stage(after)
+    show_ir = show_ir or (after is not None and not (stats or explain))
+    if not (show_ir or stats or explain):
+        stats = True
+    with progress(f"lower {model.name}") as p:
+        from .driver import CompileOptions, lower
+
+        opts = CompileOptions() if max_seq is None else CompileOptions(max_seq=max_seq)
+        lowered = lower(model, options=opts, observer=p, stop_after=after)
+    if stats:
+        _print_stats(lowered)
+    if explain:
+        _print_explain(lowered)
+    if show_ir:
+        from .ir import print_graph
+
+        click.echo(print_graph(_dumped_graph(lowered, after, prefill)), nl=False)
+
+
+def _dumped_graph(lowered: Lowered, after: str | None, prefill: bool) -> Graph:
+    """The graph the pipeline ended with: decode (or prefill) after kv-cache, else the main one."""
+    if after in (None, "kv-cache") and lowered.decode is not None:
+        return lowered.prefill if prefill and lowered.prefill is not None else lowered.decode
+    return lowered.graph
+
+
+def _print_stats(lowered: Lowered) -> None:
+    out = _out()
+    t = Table(title="pipeline stages", title_justify="left")
+    t.add_column("stage")
+    t.add_column("time (ms)", justify="right")
+    t.add_column("nodes", justify="right")
+    t.add_column("statistics")
+    for s in lowered.stages:
+        detail = ", ".join(f"{k}={v}" for k, v in s.stats.items())
+        t.add_row(s.name, f"{s.seconds * 1e3:.1f}", str(s.nodes), escape(detail))
+    t.add_row("[bold]total[/]", f"{sum(s.seconds for s in lowered.stages) * 1e3:.1f}", "", "")
+    out.print(t)
+    out.print(_histogram_table(lowered.histogram_before, lowered.histogram_after))
+    if lowered.prefill is not None:
+        cache = ", ".join(f"{n}: {t}" for n, t in lowered.cache)
+        out.print(f"KV cache ({len(lowered.cache)} buffers, max_seq {lowered.max_seq}): {escape(cache)}")
+
+
+def _print_explain(lowered: Lowered) -> None:
+    out = _out()
+    raised = next((s for s in lowered.stages if s.name == "raise"), None)
+    if raised is None:
+        out.print("raising did not run (the pipeline stopped before the 'raise' stage)")
+        return
+    applied = ", ".join(f"{k}={v}" for k, v in raised.stats.items()) or "nothing"
+    out.print(f"raised: {escape(applied)}")
+    if not lowered.refused:
+        out.print("no rule refused a candidate")
+        return
+    t = Table(title="refusals (a rule looked at a candidate node and said why it did not match)",
+              title_justify="left")
+    t.add_column("rule")
+    t.add_column("reason")
+    t.add_column("count", justify="right")
+    for rule, reasons in sorted(lowered.refused.items()):
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            t.add_row(escape(rule), escape(reason), str(n))
+    out.print(t)
+
+
+# ---- zlc run --------------------------------------------------------------------------------------
+
+@cli.command()
+@MODEL
+@click.option("--prompt-ids", type=IdList(), required=True, help="The prompt as token ids: 1,2,3.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--eos", type=int, default=None, help="Stop after generating this token id.")
+@MAX_SEQ
+@click.option("--json", "as_json", is_flag=True, help="Print prompt and generated ids as JSON.")
+def run(model: Path, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
+        seed: int, eos: int | None, max_seq: int | None, as_json: bool) -> None:
+    """Lower MODEL and generate token ids from a prompt.
+
+    This runs zlc's CPU reference executor (PyTorch, one IR node at a time) with the compiler's
+    KV cache: it shows what the compiled model computes, not how fast. The GPU megakernel runtime
+    does not exist yet.
+    """
+    need = len(prompt_ids) + max_new_tokens
+    if max_seq is not None and need > max_seq:
+        raise ZlcError(f"prompt ({len(prompt_ids)}) + max-new-tokens ({max_new_tokens}) exceed "
+                       f"--max-seq {max_seq}")
+    with progress(f"lower {model.name}") as p:
+        from .driver import CompileOptions, lower
+        from .runtime.session import ReferenceSession
+        from .verifier import check_token_ids
+
+        lowered = lower(model, options=CompileOptions(max_seq=max_seq or max(need, 64)), observer=p)
+        vocab = lowered.graph.outputs[0].shape[-1] if lowered.graph.outputs[0].shape else None
+        if isinstance(vocab, int):
+            check_token_ids(prompt_ids, vocab)
+        p.show(f"generating {max_new_tokens} tokens (CPU reference executor)")
+        ids = ReferenceSession.from_lowered(lowered).generate(
+            prompt_ids, max_new_tokens, eos=eos, temperature=temperature, top_p=top_p, seed=seed)
+    if as_json:
+        click.echo(json.dumps({"prompt": prompt_ids, "generated": ids}))
+    else:
+        click.echo(",".join(str(i) for i in ids))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script entry point (`zlc = zlc.cli:main`)."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="zlc")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
