@@ -45,4 +45,4 @@ class PassError(ZlcError):
 class VerificationError(ZlcError):
     """zlc's result differs from the reference beyond tolerance."""
 
-    exit_code = 2
+    exit_code = 3  # distinct from 2, click's usage errors, so CI can tell the two apart

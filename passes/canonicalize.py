@@ -173,7 +173,7 @@ def _empty_operands(m: Match) -> str | None:
 def _drop_empty(m: Match, g: Graph) -> Value:
     n = m.root
     axis = n.attrs["axis"] % (n.output.type.rank or 1)
-    keep = [v for v in n.inputs if not (v is not None and v.shape is not None and v.shape[axis] == 0)]
+    keep = [v for v in n.inputs if v is not None and not (v.shape is not None and v.shape[axis] == 0)]
     return keep[0] if len(keep) == 1 else g.make_node("Concat", keep, dict(n.attrs)).output
 
 

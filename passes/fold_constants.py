@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from zlc.ir import DType, Graph, Node, Value
 from zlc.runtime.reference import KERNELS
 

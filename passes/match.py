@@ -93,37 +93,41 @@ ELEMENTWISE = {"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Tanh", "Sigmoi
 def elementwise_activation(g: Graph, start: Value, end: Value) -> str:
     """Names the activation that the elementwise chain start -> end computes, or raises ValueError
     with the reason. Every node between must be elementwise with only constant scalar operands."""
-    nodes: list[Node] = []
+    order: list[Node] = []  # post-order: producers before consumers, whatever g.nodes says
     seen: set[int] = set()
-    stack = [end]
-    while stack:
-        v = stack.pop()
+
+    def visit(v: Value) -> None:
         if v is start or id(v) in seen:
-            continue
+            return
         seen.add(id(v))
         if v.data is not None:
-            if v.const_array() is not None and v.const_array().size == 1:  # type: ignore[union-attr]
-                continue
+            arr = v.const_array()
+            if arr is not None and arr.size == 1:
+                return
             raise ValueError(f"non-scalar constant '{v.name}' in the activation")
         n = v.producer
         if n is None or n.op not in ELEMENTWISE:
             raise ValueError(f"'{v.name}' is not an elementwise function of '{start.name}'")
-        nodes.append(n)
-        stack.extend(x for x in n.inputs if x is not None)
-    order = [n for n in g.nodes if n in nodes]
+        for x in n.inputs:
+            if x is not None:
+                visit(x)
+        order.append(n)
+
+    visit(end)
     x = torch.linspace(-8, 8, 401, dtype=start.dtype.torch if start.dtype.is_float else torch.float32)
     env: dict[int, torch.Tensor] = {id(start): x}
     for n in order:
-        args = []
-        for v in n.inputs:
-            if v is None:
+        args: list[torch.Tensor | None] = []
+        for inp in n.inputs:
+            if inp is None:
                 args.append(None)
-            elif id(v) in env:
-                args.append(env[id(v)])
+            elif id(inp) in env:
+                args.append(env[id(inp)])
             else:
-                arr = v.const_array()
-                args.append(torch.tensor(arr.reshape(()).item(), dtype=v.dtype.torch))  # type: ignore[union-attr]
-        for o, t in zip(n.outputs, KERNELS[n.op](n, args)):
+                arr = inp.const_array()
+                assert arr is not None
+                args.append(torch.tensor(arr.reshape(()).item(), dtype=inp.dtype.torch))
+        for o, t in zip(n.outputs, KERNELS[n.op](n, args), strict=True):
             env[id(o)] = t
     y = env.get(id(end))
     if y is None:

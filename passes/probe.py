@@ -89,9 +89,11 @@ def value_inputs(g: Graph, targets: Sequence[Value]) -> tuple[set[str], set[str]
     return by_value, by_shape
 
 
-def is_position_only(g: Graph, targets: Sequence[Value], allowed: Iterable[str] = (POSITIONS, MASK)) -> str | None:
+def is_position_only(g: Graph, targets: Sequence[Value],
+                     allowed: Iterable[str | None] = (POSITIONS, MASK)) -> str | None:
     """None if the targets depend on token inputs only through shapes; else the reason."""
     roles = classify_inputs(g)
+    allowed = set(allowed)
     by_value, _ = value_inputs(g, targets)
     for name in by_value:
         role = roles.get(name)
@@ -113,7 +115,7 @@ def past_dims(g: Graph, v: Value) -> list[int]:
                 if x is not v and x is not None and x.shape is not None and len(x.shape) == len(dims):
                     axis = n.attrs.get("axis", 0) % len(dims)
                     dims = [int(o) if (i != axis and isinstance(o, int)) else d
-                            for i, (d, o) in enumerate(zip(dims, x.shape))]
+                            for i, (d, o) in enumerate(zip(dims, x.shape, strict=False))]
             break
     return dims
 
@@ -164,20 +166,19 @@ def evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Ten
         if v.name in feeds:
             env[id(v)] = feeds[v.name]
     for n in closure(g, targets):
-        args = []
-        for v in n.inputs:
-            if v is None:
+        args: list[torch.Tensor | None] = []
+        for inp in n.inputs:
+            if inp is None:
                 args.append(None)
-            elif id(v) in env:
-                args.append(env[id(v)])
-            elif v.data is not None:
-                d = v.data
-                env[id(v)] = d if isinstance(d, torch.Tensor) else torch.from_numpy(v.const_array().copy())
-                args.append(env[id(v)])
+            elif id(inp) in env:
+                args.append(env[id(inp)])
+            elif inp.data is not None:
+                env[id(inp)] = _const_tensor(inp)
+                args.append(env[id(inp)])
             else:
-                raise ZlcError(f"probe cannot evaluate '{v.name}'")
+                raise ZlcError(f"probe cannot evaluate '{inp.name}'")
         outs = KERNELS[n.op](n, args)
-        for o, t in zip(n.outputs, outs):
+        for o, t in zip(n.outputs, outs, strict=False):
             env[id(o)] = t
     return [env[id(t)] if id(t) in env else _const_tensor(t) for t in targets]
 

@@ -14,7 +14,7 @@ import torch
 from zlc.ir import Graph, Node, Value
 
 from . import probe
-from .match import Users, other, prod, scalar, strip
+from .match import Users, prod, scalar, strip
 from .raising import Match, RaiseRule, new_node
 
 DEFAULT_MAX_SEQ = 2048
@@ -96,7 +96,7 @@ def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Te
         if isinstance(got, str):
             memo[key] = got
             return got
-        for t, tab in zip(got, tabs):
+        for t, tab in zip(got, tabs, strict=False):
             row = t.reshape(-1, pr.seq, t.shape[-1])[0][:, :half]
             if not torch.allclose(row, tab[pr.past:pr.past + pr.seq], atol=1e-6):
                 memo[key] = f"rotary values at past={pr.past} are not the table rows (not position-indexed)"
@@ -270,19 +270,21 @@ def _match_attention(g: Graph, n: Node, u: Users) -> Match | str:
     mask, additive = None, True
     sp = s.producer
     if sp is not None and sp.op == "Add":
-        l, r = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
-        lcore, rcore = _peel_scale(l)[0], _peel_scale(r)[0]
+        lhs, rhs = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
+        lcore, rcore = _peel_scale(lhs)[0], _peel_scale(rhs)[0]
+        a0, a1 = sp.inputs[0], sp.inputs[1]
+        assert a0 is not None and a1 is not None
         if prod(lcore, "MatMul") is not None and lcore.data is None:
-            s, mask = sp.inputs[0], sp.inputs[1]
+            s, mask = a0, a1
         elif prod(rcore, "MatMul") is not None:
-            s, mask = sp.inputs[1], sp.inputs[0]
+            s, mask = a1, a0
         else:
             return "softmax input is not scores + mask"
     elif sp is not None and sp.op == "Where":
         fill = scalar(sp.inputs[2]) if scalar(sp.inputs[2]) is not None else scalar(sp.inputs[1])
         if fill is None or fill > -1e4:
             return "Where-masked scores without a large negative fill"
-        if scalar(sp.inputs[2]) is not None:
+        if scalar(sp.inputs[2]) is not None and sp.inputs[1] is not None:
             s, mask, additive = sp.inputs[1], sp.inputs[0], False
         else:
             return "inverted Where mask (fill on the true branch) is not supported"

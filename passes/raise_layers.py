@@ -424,7 +424,7 @@ def _match_split_linear(g: Graph, n: Node, u: Users) -> Match | str:
         for size in n.attrs["split"]:
             bounds.append((start, start + int(size)))
             start += int(size)
-        return {"lin": lin, "parts": list(zip(n.outputs, bounds)), "_nodes": [n]}
+        return {"lin": lin, "parts": list(zip(n.outputs, bounds, strict=False)), "_nodes": [n]}
     from .raise_attention import _slice_bounds
 
     b = _slice_bounds(n)

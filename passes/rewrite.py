@@ -26,6 +26,7 @@ from itertools import islice
 from typing import Any
 
 import numpy as np
+
 from zlc.errors import PassError
 from zlc.ir import Graph, Node, Value
 

@@ -167,7 +167,7 @@ class Graph:
         names = list(out_names) if out_names else [node.name if i == 0 else f"{node.name}_{i}"
                                                    for i in range(len(out_types))]
         node.outputs = [Value(self.fresh_name(n), t, "node", producer=node)
-                        for n, t in zip(names, out_types)]
+                        for n, t in zip(names, out_types, strict=False)]
         from .ops import infer_sym
 
         infer_sym(node)
@@ -305,7 +305,7 @@ def reinfer(g: Graph) -> None:
 
     for n in g.nodes:
         types = infer_types(n, len(n.outputs))
-        for o, t in zip(n.outputs, types):
+        for o, t in zip(n.outputs, types, strict=False):
             o.type = t
             o.sym = None
         infer_sym(n)

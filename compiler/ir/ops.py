@@ -186,9 +186,9 @@ def _matmul(node: Node) -> list[TensorType]:
         raise ShapeError(f"MatMul of a scalar at node '{node.name}'")
     va, vb = len(sa) == 1, len(sb) == 1
     if va:
-        sa = [1] + sa
+        sa.insert(0, 1)
     if vb:
-        sb = sb + [1]
+        sb.append(1)
     k1, k2 = sa[-1], sb[-2]
     if _is_int(k1) and _is_int(k2) and k1 != k2:
         raise ShapeError(f"MatMul inner dims {k1} != {k2} at node '{node.name}' "
@@ -381,7 +381,7 @@ def _slice(node: Node) -> list[TensorType]:
     axes = axes if axes is not None else list(range(len(starts)))
     steps = steps if steps is not None else [1] * len(starts)
     out = list(x.shape)
-    for s, e, a, st in zip(starts, ends, axes, steps):
+    for s, e, a, st in zip(starts, ends, axes, steps, strict=False):
         ax = norm_axis(int(a), r, node)  # type: ignore[arg-type]
         if not (_is_int(s) and _is_int(e) and _is_int(st)):
             out[ax] = f"?{node.name}.{ax}"
@@ -472,7 +472,7 @@ def _tile(node: Node) -> list[TensorType]:
     reps = _elems(node.inputs[1])
     if x.shape is None or reps is None:
         return [TensorType(x.dtype, None)]
-    return [TensorType(x.dtype, tuple(dim_mul(d, r) for d, r in zip(x.shape, reps)))]
+    return [TensorType(x.dtype, tuple(dim_mul(d, r) for d, r in zip(x.shape, reps, strict=False)))]
 
 
 @_def("Shape", "primitive", 1, 1, "attrs: start, end")
@@ -679,14 +679,14 @@ def infer_sym(node: Node) -> None:
     if node.op == "Equal" and node.outputs[0].dtype == DType.bool:
         a, b = _elems(node.inputs[0]), _elems(node.inputs[1])
         if a is not None and b is not None and len(a) == len(b):
-            eq = [_sym_equal(x, y) for x, y in zip(a, b)]
+            eq = [_sym_equal(x, y) for x, y in zip(a, b, strict=False)]
             if all(e is not None for e in eq):
                 node.outputs[0].sym = tuple(eq)  # type: ignore[arg-type]
         return
     if node.op == "Where" and node.outputs[0].dtype in (DType.i64, DType.i32):
         c, a, b = (_elems(v) for v in node.inputs)
         if c is not None and a is not None and b is not None and len(c) == len(a) == len(b):
-            node.outputs[0].sym = tuple(x if k else y for k, x, y in zip(c, a, b))
+            node.outputs[0].sym = tuple(x if k else y for k, x, y in zip(c, a, b, strict=False))
         return
     if node.outputs[0].dtype not in (DType.i64, DType.i32):
         return
@@ -732,7 +732,7 @@ def infer_sym(node: Node) -> None:
             m = max(len(a), len(b))
             a2 = a * m if len(a) == 1 else a
             b2 = b * m if len(b) == 1 else b
-            vals = [_sym_binary(op, x, y) for x, y in zip(a2, b2)]
+            vals = [_sym_binary(op, x, y) for x, y in zip(a2, b2, strict=False)]
             if all(v is not None for v in vals):
                 res = vals  # type: ignore[assignment]
     elif op == "ConstantOfShape":
@@ -742,10 +742,11 @@ def infer_sym(node: Node) -> None:
             if float(val).is_integer():
                 res = [int(val)] * (int(tgt[0]) if tgt else 1)  # type: ignore[arg-type]
     elif op == "Range":
-        s, lim, d = (_elems(v) for v in ins)
-        if s and lim and d and all(_is_int(x) for x in s + lim + d) and \
-                abs((int(lim[0]) - int(s[0])) // max(1, abs(int(d[0])))) <= 64:  # type: ignore[arg-type]
-            res = list(range(int(s[0]), int(lim[0]), int(d[0])))  # type: ignore[arg-type]
+        r_s, r_lim, r_d = (_elems(v) for v in ins)
+        if r_s and r_lim and r_d and all(_is_int(x) for x in r_s + r_lim + r_d):
+            start, limit, delta = int(r_s[0]), int(r_lim[0]), int(r_d[0])
+            if delta and abs((limit - start) // abs(delta)) <= 64:
+                res = list(range(start, limit, delta))
     if res is not None:
         if out.shape is not None and len(out.shape) == 0 and len(res) != 1:
             return

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import builtins
 import enum
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import torch
+from torch import dtype as TorchDType  # noqa: N812  (the `torch` property shadows the module in the class)
 
-Dim = Union[int, str]  # int: static extent; str: symbolic ("batch", "seq", "past", ...)
+Dim = int | str  # int: static extent; str: symbolic ("batch", "seq", "past", ...)
 
 
 class DType(enum.Enum):
@@ -25,11 +26,11 @@ class DType(enum.Enum):
     bool = "bool"
 
     @property
-    def is_float(self) -> bool:
+    def is_float(self) -> builtins.bool:  # `bool` is a member name in this class
         return self in (DType.f32, DType.f16, DType.bf16, DType.f64)
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch(self) -> TorchDType:
         return _TORCH[self]
 
     @property
@@ -37,7 +38,7 @@ class DType(enum.Enum):
         return torch.empty((), dtype=self.torch).element_size()
 
     @staticmethod
-    def from_torch(dt: torch.dtype) -> DType:
+    def from_torch(dt: TorchDType) -> DType:
         for k, v in _TORCH.items():
             if v == dt:
                 return k
@@ -59,7 +60,7 @@ _TORCH = {
     DType.f64: torch.float64, DType.i64: torch.int64, DType.i32: torch.int32,
     DType.i16: torch.int16, DType.i8: torch.int8, DType.u8: torch.uint8, DType.bool: torch.bool,
 }
-_NUMPY = {
+_NUMPY: dict[DType, np.dtype] = {
     DType.f32: np.dtype(np.float32), DType.f16: np.dtype(np.float16), DType.f64: np.dtype(np.float64),
     DType.i64: np.dtype(np.int64), DType.i32: np.dtype(np.int32), DType.i16: np.dtype(np.int16),
     DType.i8: np.dtype(np.int8), DType.u8: np.dtype(np.uint8), DType.bool: np.dtype(np.bool_),

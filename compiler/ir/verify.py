@@ -15,7 +15,7 @@ def _compatible(a: TensorType, b: TensorType) -> bool:
         return True
     if len(a.shape) != len(b.shape):
         return False
-    return all(x == y or isinstance(x, str) or isinstance(y, str) for x, y in zip(a.shape, b.shape))
+    return all(x == y or isinstance(x, str) or isinstance(y, str) for x, y in zip(a.shape, b.shape, strict=False))
 
 
 def verify_graph(g: Graph, *, check_types: bool = True) -> None:
@@ -35,13 +35,13 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
         d = OPS.get(n.op)
         if d is None:
             raise IRError(f"node '{n.name}': unknown op '{n.op}'")
-        for i, v in enumerate(n.inputs):
-            if v is None:
+        for i, inp in enumerate(n.inputs):
+            if inp is None:
                 if i < d.min_inputs and i not in d.optional:
                     raise IRError(f"node '{n.name}' ({n.op}): required input {i} is missing")
                 continue
-            if id(v) not in defined:
-                raise IRError(f"node '{n.name}' ({n.op}): input '%{v.name}' is used before it is "
+            if id(inp) not in defined:
+                raise IRError(f"node '{n.name}' ({n.op}): input '%{inp.name}' is used before it is "
                               "defined (or never defined; the graph may have a cycle)")
         if check_types:
             try:
@@ -50,7 +50,7 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
                 raise ShapeError(f"node '{n.name}' ({n.op}): {e}") from None
             if len(expect) != len(n.outputs):
                 raise IRError(f"node '{n.name}' ({n.op}): has {len(n.outputs)} outputs, op defines {len(expect)}")
-            for o, t in zip(n.outputs, expect):
+            for o, t in zip(n.outputs, expect, strict=False):
                 if not _compatible(o.type, t):
                     raise ShapeError(f"node '{n.name}' ({n.op}): output '%{o.name}' is {o.type} "
                                      f"but inference gives {t}")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
+
 from zlc.ir import Graph, graphs_equal, parse_graph, print_graph, verify_graph
 from zlc.passes import PassResult
 

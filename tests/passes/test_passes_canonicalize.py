@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from zlc.ir import parse_graph
 from zlc.passes.canonicalize import canonicalize, canonicalize_rules
 

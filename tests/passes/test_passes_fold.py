@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from zlc.ir import parse_graph
 from zlc.passes.fold_constants import fold_constants
 from zlc.runtime import run_graph

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from zlc.ir import DType, Graph, TensorType, Value, verify_graph
 from zlc.passes import Canonicalize, CommonSubexpressionElimination, DeadCodeElimination, FoldConstants
 from zlc.passes.base import run_passes

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+
 from zlc.errors import PassError
 from zlc.ir import DType, Graph, TensorType, parse_graph, verify_graph
 from zlc.passes.base import same_shape
