@@ -7,7 +7,10 @@
 Each model is lowered --repeat times in this process; the table shows the median seconds per
 stage (the first run also pays one-time imports, so it is reported separately), node counts and
 the peak resident memory of the process. Each model runs in its own process (exports first, so
-exporting does not count). Output is markdown, ready for docs/performance.md.
+exporting does not count). The peer, measured in the same process and run: building an ONNX
+Runtime session with all graph optimizations for the same file (what a user of ORT waits for
+before the first token); the ratio zlc / ORT is printed. Output is markdown, ready for
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -40,8 +43,25 @@ def lower_times(path: Path, repeat: int, max_seq: int) -> tuple[float, dict[str,
     return first, {k: statistics.median(r[k] for r in runs) for k in runs[0]}, lowered
 
 
+def ort_session_time(path: Path, repeat: int) -> float:
+    """Median seconds to build an optimized ONNX Runtime CPU session for `path` (the peer)."""
+    import onnxruntime as ort
+
+    times = []
+    for _ in range(repeat + 1):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        t = time.perf_counter()
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
 def report(path: Path, repeat: int, max_seq: int) -> list[str]:
     first, med, lowered = lower_times(path, repeat, max_seq)
+    rss = peak_rss_mb()  # before the peer loads its own copy of the weights
+    peer = ort_session_time(path, repeat)
     nodes = {s.name: s.nodes for s in lowered.stages}
     size_mb = sum(f.stat().st_size for f in (path, path.with_name(path.name + ".data")) if f.exists()) / 1e6
     lines = [f"**{path.name}** ({size_mb:.1f} MB, max_seq {max_seq}): first run {first:.2f} s, "
@@ -49,7 +69,9 @@ def report(path: Path, repeat: int, max_seq: int) -> list[str]:
              "| stage | seconds | nodes after |", "|---|---|---|"]
     lines += [f"| {k} | {v:.3f} | {nodes[k]} |" for k, v in med.items()]
     before, after = sum(lowered.histogram_before.values()), sum(lowered.histogram_after.values())
-    lines += ["", f"nodes {before} → {after}; peak RSS {peak_rss_mb():.0f} MB", ""]
+    total = sum(med.values())
+    lines += ["", f"nodes {before} → {after}; peak RSS {rss:.0f} MB (zlc, before the peer ran)",
+              f"peer: ONNX Runtime optimized session build {peer:.3f} s; zlc lower / ORT = {total / peer:.2f}x", ""]
     return lines
 
 
