@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from zlc.ir import Dim, Graph, Node, TensorType, Value, verify_graph
+from zlc.ir.verify import compatible_types
 
 
 @dataclass
@@ -71,13 +72,7 @@ def same_shape(a: TensorType, b: TensorType) -> bool:
 
 def compatible(a: TensorType, b: TensorType) -> bool:
     """Could be the same tensor type: dtype equal, and no two static dims disagree."""
-    if a.dtype != b.dtype:
-        return False
-    if a.shape is None or b.shape is None:
-        return True
-    if len(a.shape) != len(b.shape):
-        return False
-    return all(x == y or isinstance(x, str) or isinstance(y, str) for x, y in zip(a.shape, b.shape, strict=True))
+    return compatible_types(a, b)
 
 
 def precision(t: TensorType) -> int:

@@ -16,22 +16,12 @@ import numpy as np
 import torch
 
 from zlc.ir import DType, Graph, Node, Value
-from zlc.runtime.reference import KERNELS
+from zlc.runtime.reference import KERNELS, const_tensor
 
 from .base import PassResult, drop_consts, has_side_effects, release_value_name
 
 MAX_ELEMENTS = 2**24  # larger results (giant Expand/ConstantOfShape) stay computed at run time
 WEIGHT_MIN = 65  # constants with more elements than a literal count as weights for naming
-
-
-def _as_tensor(v: Value) -> torch.Tensor:
-    d = v.data
-    if isinstance(d, torch.Tensor):
-        return d
-    arr = np.asarray(d)
-    if not arr.flags.writeable:
-        arr = arr.copy()  # torch refuses read-only buffers (mmapped weights)
-    return torch.from_numpy(arr)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -86,7 +76,7 @@ class _Folder:
         if any(s is None or s > self.max_elements for s in sizes):
             self.stats["skipped_large"] += 1
             return False
-        args = [None if v is None else _as_tensor(v) for v in node.inputs]
+        args = [None if v is None else const_tensor(v) for v in node.inputs]
         try:
             results = KERNELS[node.op](node, args)
         except Exception:  # leave it to run time, where the executor names the node and shapes

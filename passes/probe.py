@@ -18,7 +18,7 @@ import torch
 
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
-from zlc.runtime.reference import KERNELS
+from zlc.runtime.reference import KERNELS, const_tensor
 
 # Roles of graph inputs, assigned by name and type (see classify_inputs).
 IDS, MASK, POSITIONS, PAST_KEY, PAST_VALUE, PAST_LEN = (
@@ -173,24 +173,14 @@ def evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Ten
             elif id(inp) in env:
                 args.append(env[id(inp)])
             elif inp.data is not None:
-                env[id(inp)] = _const_tensor(inp)
+                env[id(inp)] = const_tensor(inp)
                 args.append(env[id(inp)])
             else:
                 raise ZlcError(f"probe cannot evaluate '{inp.name}'")
         outs = KERNELS[n.op](n, args)
         for o, t in zip(n.outputs, outs, strict=False):
             env[id(o)] = t
-    return [env[id(t)] if id(t) in env else _const_tensor(t) for t in targets]
-
-
-def _const_tensor(v: Value) -> torch.Tensor:
-    d = v.data
-    if isinstance(d, torch.Tensor):
-        return d
-    arr = v.const_array()
-    if arr is None:
-        raise ZlcError(f"probe cannot evaluate '{v.name}'")
-    return torch.from_numpy(arr.copy())
+    return [env[id(t)] if id(t) in env else const_tensor(t) for t in targets]
 
 
 def try_evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Tensor] | str:

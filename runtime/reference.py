@@ -9,6 +9,7 @@ by the ops that write them (Attention with a cache), so a decode step sees what 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -532,14 +533,22 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 
 # ---- executor --------------------------------------------------------------------------------
 
-def _to_tensor(v: Value) -> torch.Tensor:
+def const_tensor(v: Value) -> torch.Tensor:
+    """A constant's data as a tensor sharing its memory: weights are never copied.
+
+    Memory-mapped weights are read-only numpy arrays; torch wraps them with a warning about
+    writability that does not apply here (kernels never write constants, only state)."""
     d = v.data
     if isinstance(d, torch.Tensor):
         return d
+    if d is None:
+        raise IRError(f"'%{v.name}' is not a constant")
     arr = np.asarray(d)
-    if not arr.flags.writeable:
-        arr = arr.copy()  # torch refuses read-only buffers; only tiny literals get here
-    return torch.from_numpy(arr)
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
 
 
 class ReferenceExecutor:
@@ -548,7 +557,7 @@ class ReferenceExecutor:
     def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None,
                  state: dict[str, torch.Tensor] | None = None):
         self.graph = graph
-        self.consts = {id(v): _to_tensor(v) for v in graph.consts.values()}
+        self.consts = {id(v): const_tensor(v) for v in graph.consts.values()}
         self.state_dims = dict(state_shapes or {})
         # Executors of the prefill and decode graphs share one state dict (one KV cache).
         self.state: dict[str, torch.Tensor] = state if state is not None else {}

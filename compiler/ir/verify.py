@@ -8,7 +8,8 @@ from .ops import OPS, infer_types
 from .types import TensorType
 
 
-def _compatible(a: TensorType, b: TensorType) -> bool:
+def compatible_types(a: TensorType, b: TensorType) -> bool:
+    """Could be the same tensor type: dtype equal, and no two static dims disagree."""
     if a.dtype != b.dtype:
         return False
     if a.shape is None or b.shape is None:
@@ -51,7 +52,7 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
             if len(expect) != len(n.outputs):
                 raise IRError(f"node '{n.name}' ({n.op}): has {len(n.outputs)} outputs, op defines {len(expect)}")
             for o, t in zip(n.outputs, expect, strict=False):
-                if not _compatible(o.type, t):
+                if not compatible_types(o.type, t):
                     raise ShapeError(f"node '{n.name}' ({n.op}): output '%{o.name}' is {o.type} "
                                      f"but inference gives {t}")
         for o in n.outputs:
