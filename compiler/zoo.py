@@ -533,7 +533,7 @@ def build_genai(
     import onnx
 
     if family not in GENAI_FAMILIES:
-        raise NotImplementedError(f"onnxruntime-genai's builder does not support {family!r}")
+        raise ValueError(f"onnxruntime-genai's builder does not support {family!r}")
     if variant not in GENAI_VARIANTS:
         raise ValueError(f"variant must be one of {GENAI_VARIANTS}, not {variant!r}")
     if not genai_available():
@@ -853,7 +853,7 @@ def dequantize_matmul_nbits(model: Any) -> Any:
         k, n, bits, block = attrs["K"], attrs["N"], attrs.get("bits", 4), attrs["block_size"]
         ins = list(node.input) + [""] * (6 - len(node.input))
         if ins[4]:
-            raise NotImplementedError("MatMulNBits with g_idx")
+            raise ValueError("dequantize_matmul_nbits: MatMulNBits with g_idx (act-order) is not handled")
         q = numpy_helper.to_array(inits[ins[1]]).astype(np.uint8)
         n_blocks = (k + block - 1) // block
         q = q.reshape(n, -1)
