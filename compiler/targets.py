@@ -1,0 +1,97 @@
+"""Named compilation targets (DESIGN.md's table) and the batch-1 decode roofline.
+
+The latency floor of a batch-1 decode step is the bytes it must read (weights once, the KV cache
+up to the current context) divided by the memory bandwidth. The megakernel issue compiles for
+these targets; this module is the single table of their facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ZlcError
+from .ir import DType, Graph
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    arch: str  # "sm_86", ... or "interpreter" (Triton's CPU interpreter)
+    compute_capability: int | None  # 86 for sm_86; None for the CPU target
+    bandwidth_gbs: float | None  # spec memory bandwidth, GB/s (lower bound where SKUs differ)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.compute_capability is not None
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (
+    Target("a10", "sm_86", 86, 600.0),
+    Target("a100", "sm_80", 80, 1555.0),  # 40 GB SKU; the 80 GB SKU has 2039 GB/s
+    Target("l4", "sm_89", 89, 300.0),
+    Target("rtx3090", "sm_86", 86, 936.0),
+    Target("rtx4090", "sm_89", 89, 1008.0),
+    Target("h100", "sm_90", 90, 3350.0),
+    Target("h200", "sm_90", 90, 4800.0),
+    Target("cpu", "interpreter", None, None),
+)}
+
+
+def get_target(name: str) -> Target:
+    t = TARGETS.get(name.lower())
+    if t is None:
+        raise ZlcError(f"unknown target '{name}'; known targets: {', '.join(TARGETS)}")
+    return t
+
+
+@dataclass(frozen=True)
+class DecodeTraffic:
+    weight_bytes: int  # read once per decode step
+    kv_bytes_per_token: int  # KV cache read per token of context
+    context: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes_per_token * self.context
+
+    def floor_us(self, target: Target) -> float | None:
+        """Bandwidth floor in microseconds on `target` (None for the CPU target)."""
+        if target.bandwidth_gbs is None:
+            return None
+        return self.total_bytes / (target.bandwidth_gbs * 1e9) * 1e6
+
+
+def decode_traffic(decode: Graph, *, context: int, weight_dtype: DType | None = None) -> DecodeTraffic:
+    """Bytes one decode step reads: every weight the graph uses, except that an Embedding reads
+    one row per token (a tied LM head still reads the whole table), plus the KV cache up to
+    `context` tokens. `weight_dtype` prices weights and cache as that type (e.g. bf16 on a GPU)."""
+    row_only: dict[int, int] = {}  # embedding tables: bytes of one row
+    full: set[int] = set()
+    for n in decode.nodes:
+        for i, v in enumerate(n.inputs):
+            if v is None or v.kind != "const" or v.shape is None:
+                continue
+            if n.op == "Embedding" and i == 0:
+                row_only[id(v)] = int(v.shape[1]) * _size(v.dtype, weight_dtype)  # type: ignore[arg-type]
+            elif n.op == "RoPE" and i in (1, 2):
+                row_only.setdefault(id(v), int(v.shape[-1]) * _size(v.dtype, weight_dtype))  # type: ignore[arg-type]
+            else:
+                full.add(id(v))
+    weights = 0
+    for v in decode.consts.values():
+        if id(v) in full:
+            weights += (v.type.numel() or 0) * _size(v.dtype, weight_dtype)
+        elif id(v) in row_only:
+            weights += row_only[id(v)]
+    kv = 0
+    for s in decode.state:
+        shape = s.shape or ()
+        if len(shape) == 4:  # [1, kv_heads, max_seq, head_dim]: one position is heads * head_dim
+            kv += int(shape[1]) * int(shape[3]) * _size(s.dtype, weight_dtype)  # type: ignore[arg-type]
+    return DecodeTraffic(weights, kv, context)
+
+
+def _size(dt: DType, override: DType | None) -> int:
+    if override is not None and dt.is_float:
+        return override.itemsize
+    return dt.itemsize
