@@ -93,13 +93,27 @@ def _desc(v: Value | None) -> str:
     return f"{v.kind} %{v.name}"
 
 
+def _bind(st: _State, name: str, v: Value) -> Iterator[None]:
+    """Binds `name` to v for the rest of the match (a name used twice must see the same value)."""
+    bound = st.values.get(name)
+    if bound is not None:
+        if bound is v:
+            yield
+        else:
+            st.fail("'{}' is bound to %{}, not %{}", name, bound.name, v.name)
+        return
+    st.values[name] = v
+    yield
+    del st.values[name]
+
+
 # ---- patterns -------------------------------------------------------------------------------------
 
 class Pattern:
     """Matches a value; yields once per consistent way to bind it (backtracking via generators)."""
 
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        raise NotImplementedError
+    def match(self, v: Value | None, st: _State) -> Iterator[None]:  # overridden by every pattern kind
+        raise TypeError(f"{type(self).__name__} is an abstract pattern")
 
 
 class AnyPattern(Pattern):
@@ -120,16 +134,7 @@ class VarPattern(Pattern):
         if v is None:
             st.fail("'{}' wants a value, the input is absent", self.name)
             return
-        bound = st.values.get(self.name)
-        if bound is not None:
-            if bound is v:
-                yield
-            else:
-                st.fail("'{}' is bound to %{}, not %{}", self.name, bound.name, v.name)
-            return
-        st.values[self.name] = v
-        yield
-        del st.values[self.name]
+        yield from _bind(st, self.name, v)
 
     def __repr__(self) -> str:
         return f"P.var({self.name!r})"
@@ -154,16 +159,7 @@ class ConstPattern(Pattern):
         if self.name is None:
             yield
             return
-        bound = st.values.get(self.name)
-        if bound is not None:
-            if bound is v:
-                yield
-            else:
-                st.fail("'{}' is bound to %{}, not %{}", self.name, bound.name, v.name)
-            return
-        st.values[self.name] = v
-        yield
-        del st.values[self.name]
+        yield from _bind(st, self.name, v)
 
     def __repr__(self) -> str:
         return f"P.const({self.name!r}, value={self.value!r})"
