@@ -4,6 +4,8 @@
     lowered = zlc.lower("model.onnx", options=zlc.CompileOptions(max_seq=256))
     report = zlc.verify("model.onnx", steps=32)          # against ONNX Runtime
     ids = zlc.ReferenceSession.from_lowered(lowered).generate([1, 2, 3], max_new_tokens=8)
+    zlc.compile("model.onnx", targets=["a10", "h100"], out="model.zlc")   # the artifact bundle
+    new_ids = zlc.load("model.zlc").generate([1, 2, 3], max_new_tokens=8, device="cpu")
 
 Only the error types are imported eagerly: the rest pulls in torch, ONNX and ONNX Runtime, which
 take seconds to import, so `import zlc` (and `zlc --help`) stay fast and the heavy modules load on
@@ -38,10 +40,16 @@ _LAZY: dict[str, tuple[str, str]] = {
     "verify": ("zlc.verifier", "verify"),
     "VerifyReport": ("zlc.verifier", "VerifyReport"),
     "ReferenceSession": ("zlc.runtime.session", "ReferenceSession"),
+    "compile": ("zlc.compile", "compile"),
+    "CompileResult": ("zlc.compile", "CompileResult"),
+    "load": ("zlc.runtime.loader", "load"),
+    "Bundle": ("zlc.runtime.loader", "Bundle"),
 }
 
 if TYPE_CHECKING:  # static checkers see the real names
+    from .compile import CompileResult, compile
     from .driver import STAGES, CompileOptions, Lowered, load_model, lower
+    from .runtime.loader import Bundle, load
     from .runtime.session import ReferenceSession
     from .verifier import VerifyReport, verify
 
@@ -61,6 +69,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__", "lower", "load_model", "CompileOptions", "Lowered", "STAGES", "verify", "VerifyReport",
-    "ReferenceSession", "ZlcError", "ModelFormatError", "UnsupportedOpError", "IRError", "ShapeError",
+    "ReferenceSession", "compile", "CompileResult", "load", "Bundle", "ZlcError", "ModelFormatError", "UnsupportedOpError", "IRError", "ShapeError",
     "NotADecoderError", "PassError", "VerificationError",
 ]

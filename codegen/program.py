@@ -1,0 +1,180 @@
+"""The megakernel's program: fused ops over arenas, split into tasks with fine-grained events.
+
+A `Program` is everything the generated kernel reads besides weights: a task table per mode
+(prefill, decode), op descriptors (offsets and sizes per op instance), the arena layout, and the
+events (counters) tasks wait on and signal. It is plain data: the scheduler builds it, the
+validator checks it, the emitter renders it, the bundle stores it, and executors load it.
+
+Memory model. The kernel takes eight pointers:
+  TASKS i32 (header + rows)  DI i64 / DF f32 (op descriptors)  CTRL i32 (control block)
+  CNT i32 (queue, exit count, events)  W (weights, bf16 or f32)  P f32 (norm weights, biases,
+  rotary tables)  A f32 (activations, KV cache, logits, partials).
+Activation buffers are single-assignment ([chunk, cols] each), so the only hazards are
+read-after-write, and those are what events order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+# ---- op kinds (the dispatch chain's numbering) ---------------------------------------------
+OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX = range(6)
+OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax")
+
+# ---- norm and activation codes (descriptor fields) -----------------------------------------
+NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
+ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
+ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = 0, 1, 2
+
+# ---- table geometry --------------------------------------------------------------------------
+TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad
+MAX_WAITS = 3
+DESC_WORDS = 16  # int64 fields per descriptor
+DESC_FLOATS = 4  # f32 fields per descriptor
+HEADER_WORDS = 16  # TASKS[0:16]: n_prefill, base_prefill, n_decode, base_decode, n_events, ...
+
+# ---- control block (CTRL, int32) -------------------------------------------------------------
+CTRL_MODE, CTRL_T, CTRL_PAST, CTRL_OUT_TOKEN, CTRL_ERROR, CTRL_ALL_LOGITS, CTRL_AUTO_ADVANCE = range(7)
+CTRL_TOKENS = 16  # tokens of this step start here
+MODE_PREFILL, MODE_DECODE = 0, 1
+ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or lost signal)
+
+# ---- counters (CNT, int32) -------------------------------------------------------------------
+CNT_QUEUE, CNT_EXIT = 0, 1
+CNT_EVENTS = 16  # event e lives at CNT[16 + e]
+
+
+@dataclass(frozen=True)
+class Region:
+    """Columns [lo, hi) of a buffer, over all rows of the step (for a cache: heads [lo, hi) of
+    the rows this step appends; for scalar outputs: slots)."""
+
+    buffer: str
+    lo: int
+    hi: int
+    row_lo: int = 0  # rows [row_lo, row_hi) of the step (prefill attention tiles rows too)
+    row_hi: int = 1 << 30
+
+    def overlaps(self, other: Region) -> bool:
+        return (self.buffer == other.buffer and self.lo < other.hi and other.lo < self.hi
+                and self.row_lo < other.row_hi and other.row_lo < self.row_hi)
+
+
+@dataclass
+class Task:
+    op: int
+    desc: int
+    a: int = 0
+    b: int = 0
+    c: int = 0
+    waits: list[tuple[int, int]] = field(default_factory=list)  # (event, target)
+    signal: int = -1
+    signal_target: int = 0
+    parent: int = -1  # event bumped by the last task of this task's group
+    reads: list[Region] = field(default_factory=list)
+    writes: list[Region] = field(default_factory=list)
+    label: str = ""
+
+    def row(self) -> list[int]:
+        r = [self.op, self.desc, self.a, self.b, self.c, len(self.waits)]
+        for i in range(MAX_WAITS):
+            r += list(self.waits[i]) if i < len(self.waits) else [-1, 0]
+        return r + [self.signal, self.signal_target, self.parent, 0]
+
+
+@dataclass
+class Buffer:
+    name: str
+    offset: int  # elements into A
+    rows: int
+    cols: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class Tiling:
+    """Tile sizes and task granularity for one target (constexprs of the kernel)."""
+
+    block_n: int  # output columns per inner block of a Linear
+    block_k: int  # reduction chunk of a Linear's matrix-vector path (one row)
+    block_kd: int  # reduction chunk of its tl.dot path (prefill rows): small, the dot holds more per thread
+    block_t: int  # rows per block in prefill (and query rows per attention task)
+    block_kv: int  # keys per attention block
+    block_e: int  # embedding columns per block
+    max_linear_tasks: int  # tasks per Linear (0: one per block; the interpreter wants few)
+    kv_splits: int  # split-KV attention tasks per head in decode (combined by a second task)
+    chunk: int  # most tokens one prefill launch handles (longer prompts run in chunks)
+    num_warps: int
+    grid: int  # persistent programs (SMs on a GPU)
+    dot_precision: str = "ieee"  # prefill tl.dot: exact f32 in the interpreter, "tf32x3" on GPUs
+
+    def constexprs(self) -> dict[str, int | str]:
+        return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "BLOCK_KD": self.block_kd, "BLOCK_T": self.block_t,
+                "BLOCK_KV": self.block_kv, "BLOCK_E": self.block_e, "KV_SPLITS": self.kv_splits,
+                "DOT_PRECISION": self.dot_precision}
+
+
+@dataclass
+class Program:
+    model: str
+    tiling: Tiling
+    head_dim: int  # largest attention head size (HEAD_P2 is its next power of two)
+    vocab: int
+    max_seq: int
+    buffers: dict[str, Buffer]
+    a_size: int
+    logits: str  # buffer holding logits [chunk, vocab]
+    desc_int: np.ndarray  # [n_desc, DESC_WORDS] int64
+    desc_float: np.ndarray  # [n_desc, DESC_FLOATS] float32
+    desc_labels: list[str]
+    tables: dict[str, list[Task]]  # "prefill", "decode"
+    n_events: int
+    event_labels: list[str]
+    w_size: int
+    p_size: int
+    weights: list[dict[str, Any]] = field(default_factory=list)  # arena placement of each constant
+
+    def constexprs(self, debug: bool = False) -> dict[str, int | str]:
+        c = self.tiling.constexprs()
+        c["HEAD_P2"] = max(16, 1 << (self.head_dim - 1).bit_length())
+        c["DEBUG"] = int(debug)
+        return c
+
+    def task_table(self, order: dict[str, list[Task]] | None = None) -> np.ndarray:
+        """Header + prefill rows + decode rows, int32."""
+        tabs = order or self.tables
+        pre, dec = tabs["prefill"], tabs["decode"]
+        header = [len(pre), 0, len(dec), len(pre) * TASK_WORDS, self.n_events]
+        header += [0] * (HEADER_WORDS - len(header))
+        rows = [w for t in pre + dec for w in t.row()]
+        arr = np.array(header + rows, dtype=np.int64)
+        if arr.max(initial=0) >= 2**31 or arr.min(initial=0) < -(2**31):
+            raise OverflowError("task table field beyond int32")
+        return arr.astype(np.int32)
+
+    def counters_size(self) -> int:
+        return CNT_EVENTS + max(self.n_events, 1)
+
+    def ctrl_size(self) -> int:
+        return CTRL_TOKENS + self.tiling.chunk
+
+    def summary(self) -> dict[str, Any]:
+        """What the manifest and `zlc inspect` show."""
+        def hist(tasks: list[Task]) -> dict[str, int]:
+            h: dict[str, int] = {}
+            for t in tasks:
+                h[OP_NAMES[t.op]] = h.get(OP_NAMES[t.op], 0) + 1
+            return h
+
+        return {"tiling": asdict(self.tiling), "tasks": {m: len(t) for m, t in self.tables.items()},
+                "tasks_by_op": {m: hist(t) for m, t in self.tables.items()},
+                "waits_per_task": {m: round(sum(len(x.waits) for x in t) / max(len(t), 1), 2)
+                                   for m, t in self.tables.items()},
+                "events": self.n_events, "descriptors": len(self.desc_labels),
+                "arena_elements": {"W": self.w_size, "P": self.p_size, "A": self.a_size}}

@@ -1,0 +1,79 @@
+"""Host-side validator for task tables.
+
+The Triton interpreter runs programs one after another, so any table in topological order
+"works" there even with a dependency missing; on a GPU the same table races. This check is the
+guard: it proves from the table alone (waits, signals, declared reads and writes) that
+- the order is topological: every task a wait counts is earlier in the table (so a persistent
+  kernel never waits on work no running program can reach: no deadlock without co-residency);
+- every event's target equals the number of signals it will receive (polls wait for equality);
+- every read is covered: each task writing what a task reads has certainly finished before it
+  starts, through its waits, transitively;
+- no two tasks write overlapping regions unordered (write-write race).
+"""
+
+from __future__ import annotations
+
+from zlc.errors import ZlcError
+
+from .program import MAX_WAITS, Program, Task
+from .schedule import happens_before, signalers
+
+
+class TableError(ZlcError):
+    """A task table that could race, deadlock or hang; names the task."""
+
+
+def validate_tasks(tasks: list[Task], mode: str = "") -> None:
+    where = f"{mode} table" if mode else "table"
+    sig = signalers(tasks)
+    for i, t in enumerate(tasks):
+        if len(t.waits) > MAX_WAITS:
+            raise TableError(f"{where}: task {i} ({t.label}) has {len(t.waits)} waits, at most {MAX_WAITS}")
+        for e, target in t.waits:
+            idx = sig.get(e)
+            if not idx:
+                raise TableError(f"{where}: task {i} ({t.label}) waits on event {e}, which no task signals")
+            late = [j for j in idx if j >= i]
+            if late:
+                raise TableError(f"{where}: task {i} ({t.label}) waits on event {e} signalled by task "
+                                 f"{late[0]} ({tasks[late[0]].label}), which comes later: not topological")
+            if target != _signal_count(tasks, e):
+                raise TableError(f"{where}: task {i} ({t.label}) waits for event {e} to reach {target}, "
+                                 f"but it receives {_signal_count(tasks, e)} signals")
+    for e in sig:
+        members = [t for t in tasks if t.signal == e]
+        if members and any(t.signal_target != len(members) for t in members):
+            raise TableError(f"{where}: event {e}: group target {members[0].signal_target} but "
+                             f"{len(members)} tasks signal it (the parent would never fire)")
+    hb = happens_before(tasks)
+    writers: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        for r in t.writes:
+            writers.setdefault(r.buffer, []).append(i)
+    for i, t in enumerate(tasks):
+        for r in t.reads:
+            for j in writers.get(r.buffer, []):
+                if j == i or not any(r.overlaps(w) for w in tasks[j].writes):
+                    continue
+                if not (hb[i] >> j) & 1:
+                    raise TableError(f"{where}: task {i} ({t.label}) reads {r.buffer}[{r.lo}:{r.hi}] written "
+                                     f"by task {j} ({tasks[j].label}) without a dependency on it")
+    for buf, ws in writers.items():
+        for a_i, a in enumerate(ws):
+            for b in ws[a_i + 1:]:
+                ra = [r for r in tasks[a].writes if r.buffer == buf]
+                rb = [r for r in tasks[b].writes if r.buffer == buf]
+                if any(x.overlaps(y) for x in ra for y in rb) and not ((hb[a] >> b) & 1 or (hb[b] >> a) & 1):
+                    raise TableError(f"{where}: tasks {a} ({tasks[a].label}) and {b} ({tasks[b].label}) "
+                                     f"both write {buf} unordered (write-write race)")
+
+
+def _signal_count(tasks: list[Task], e: int) -> int:
+    direct = sum(1 for t in tasks if t.signal == e)
+    groups = {t.signal for t in tasks if t.parent == e}
+    return direct + len(groups)
+
+
+def validate_program(p: Program, tables: dict[str, list[Task]] | None = None) -> None:
+    for mode, tasks in (tables or p.tables).items():
+        validate_tasks(tasks, mode)

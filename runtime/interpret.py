@@ -1,0 +1,152 @@
+"""The `cpu` executor: the bundle's megakernel under Triton's interpreter, in a worker process.
+
+Triton reads TRITON_INTERPRET when `@triton.jit` decorates a function, so the interpreter must be
+switched on before the kernel module is imported and must not leak into a process that compiles
+cubins: the kernel runs in a spawned child that sets the flag first. The parent talks to it over
+a pipe, one message per launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zlc.errors import ZlcError
+
+
+class InterpretBackend:
+    def __init__(self, bundle: Path, tiling: str, *, debug: bool = False):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker, args=(child, str(bundle), tiling, debug), daemon=True,
+                                 name="zlc-interpret")
+        self._proc.start()
+        child.close()
+        self._call(("ping",))
+
+    def _call(self, msg: tuple[Any, ...]) -> Any:
+        try:
+            self._conn.send(msg)
+            status, payload = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError) as e:
+            code = self._proc.exitcode
+            raise ZlcError(f"the interpreter worker died (exit code {code})") from e
+        if status == "error":
+            raise ZlcError(payload)
+        return payload
+
+    def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
+               want_logits: bool) -> tuple[int, np.ndarray | None]:
+        return self._call(("launch", mode, ids, past, all_logits, want_logits))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("exit",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()
+
+    def __del__(self) -> None:  # a forgotten session must not leave a worker behind
+        try:
+            if self._proc.is_alive():
+                self._proc.kill()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _worker(conn: Connection, bundle: str, tiling: str, debug: bool) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        state = _KernelState(Path(bundle), tiling, debug)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.recv()
+        conn.send(("error", f"cannot load the kernel: {type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "exit":
+            return
+        try:
+            if msg[0] == "ping":
+                conn.send(("ok", None))
+            elif msg[0] == "launch":
+                conn.send(("ok", state.launch(*msg[1:])))
+            else:
+                conn.send(("error", f"unknown request {msg[0]!r}"))
+        except ZlcError as e:
+            conn.send(("error", str(e)))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"kernel launch failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+
+
+class _KernelState:
+    """Arenas and tables of one bundle as CPU tensors, and the kernel function."""
+
+    def __init__(self, bundle: Path, tiling: str, debug: bool):
+        import torch
+        from safetensors.torch import load_file
+
+        from zlc.artifact import read_manifest
+        from zlc.codegen import program as pg
+
+        self.pg = pg
+        man = read_manifest(bundle)
+        k = man["kernel"]
+        spec = importlib.util.spec_from_file_location("zlc_bundle_kernel", bundle / k["source"])
+        if spec is None or spec.loader is None:
+            raise ZlcError(f"cannot import {bundle / k['source']}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        self.fn = getattr(mod, k["entry"])
+        tl = man["tilings"][tiling]
+        self.constexprs = dict(tl["constexprs"], DEBUG=int(debug))
+        self.grid = int(tl["grid"])
+        w = load_file(str(bundle / man["weights"]["file"]))
+        self.W = w["W"].float()  # bf16 is exact in f32; the interpreter computes in numpy
+        self.P = w["P"]
+        t = load_file(str(bundle / tl["tables"]))
+        self.TASKS, self.DI, self.DF = t["tasks"], t["desc_int"], t["desc_float"]
+        lay = tl["layout"]
+        self.A = torch.zeros(lay["a_size"], dtype=torch.float32)
+        self.CTRL = torch.zeros(lay["ctrl_size"], dtype=torch.int32)
+        self.CNT = torch.zeros(lay["counters_size"], dtype=torch.int32)
+        self.logits = lay["logits"]
+
+    def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
+               want_logits: bool) -> tuple[int, np.ndarray | None]:
+        import torch
+
+        pg = self.pg
+        c = self.CTRL
+        c[pg.CTRL_MODE], c[pg.CTRL_T], c[pg.CTRL_PAST] = mode, len(ids), past
+        c[pg.CTRL_ALL_LOGITS], c[pg.CTRL_ERROR] = int(all_logits), 0
+        c[pg.CTRL_TOKENS:pg.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        self.fn[(self.grid,)](self.TASKS, self.DI, self.DF, self.CTRL, self.CNT, self.W, self.P, self.A,
+                              **self.constexprs)
+        if int(c[pg.CTRL_ERROR]):
+            raise ZlcError(f"the megakernel raised error flags {int(c[pg.CTRL_ERROR])} (a wait timed out)")
+        if int(self.CNT.abs().sum()):
+            raise ZlcError("the megakernel did not reset its counters")
+        tok = int(c[pg.CTRL_OUT_TOKEN])
+        if not want_logits:
+            return tok, None
+        lg = self.logits
+        rows = self.A[lg["offset"]:lg["offset"] + lg["rows"] * lg["cols"]].view(lg["rows"], lg["cols"])
+        sel = rows[:len(ids)] if all_logits else rows[len(ids) - 1:len(ids)]
+        return tok, sel.numpy().copy()

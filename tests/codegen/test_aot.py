@@ -1,0 +1,170 @@
+"""AOT compilation of a Triton kernel file to cubin/PTX for named NVIDIA targets, without a GPU:
+real compiles in a child process (ptxas ships in the triton wheel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zlc.codegen.aot import AotError, AotResult, check_ptx_sync, compile_kernel, resource_usage
+from zlc.errors import ZlcError
+from zlc.targets import TARGETS
+
+pytest.importorskip("triton")
+
+# A persistent-loop toy with the megakernel's protocol: tasks claimed with an atomic counter, a
+# dependency waited on with an acquire poll, completion signalled with a release add.
+PERSISTENT = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def body(A, i):
+    x = tl.load(A + i)
+    tl.store(A + i, x * 2.0)
+
+
+@triton.jit
+def mk(TASKS, CNT, A, n_tasks, DEBUG: tl.constexpr):
+    t = tl.atomic_add(CNT, 1)
+    while t < n_tasks:
+        op = tl.load(TASKS + t * 4)
+        w = tl.load(TASKS + t * 4 + 1)
+        if w >= 0:
+            if DEBUG:
+                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="acquire", timeout_ns=1000000)
+            else:
+                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="acquire")
+        if op == 0:
+            body(A, t)
+        elif op == 1:
+            body(A, t + 100)
+        tl.atomic_add(CNT + 1 + t, 1, sem="release")
+        t = tl.atomic_add(CNT, 1)
+    d = tl.atomic_add(CNT + 64, 1, sem="acq_rel")
+    if d == tl.num_programs(0) - 1:
+        tl.store(CNT, 0)
+        tl.store(CNT + 64, 0)
+'''
+SIG = {"TASKS": "*i32", "CNT": "*i32", "A": "*fp32", "n_tasks": "i32"}  # DEBUG comes from constexprs
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AotResult], list[str]]]:
+    path = tmp_path_factory.mktemp("aot") / "kernel.py"
+    path.write_text(PERSISTENT)
+    progress: list[str] = []
+    # The parent may run kernels on the interpreter; the compiler process must not inherit that.
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        results = compile_kernel(path, "mk", SIG, {"DEBUG": False},
+                                 [TARGETS["a10"], TARGETS["h100"], TARGETS["rtx3090"]],
+                                 on_progress=progress.append)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    yield results, progress
+
+
+def test_one_result_per_target_one_compile_per_capability(built: tuple[list[AotResult], list[str]]) -> None:
+    results, progress = built
+    assert [(r.target, r.arch) for r in results] == [("a10", "sm_86"), ("h100", "sm_90"), ("rtx3090", "sm_86")]
+    assert len(progress) == 2 and progress[0].startswith("sm_86: ") and progress[1].startswith("sm_90: ")
+    a10, _, rtx = results
+    assert rtx.cubin == a10.cubin and rtx.seconds == a10.seconds
+
+
+def test_cubin_and_ptx(built: tuple[list[AotResult], list[str]]) -> None:
+    for r in built[0]:
+        assert r.cubin[:4] == b"\x7fELF"
+        assert re.search(rf"^\.target {r.arch}a?$", r.ptx, re.M), r.arch  # Triton targets sm_90a on Hopper
+        assert r.seconds > 0
+
+
+def test_metadata_is_json_and_describes_the_launch(built: tuple[list[AotResult], list[str]]) -> None:
+    for r in built[0]:
+        md = json.loads(json.dumps(r.metadata))
+        assert md["name"] == "mk" and md["num_warps"] == 4 and md["num_ctas"] == 1
+        assert md["global_scratch_size"] == 0 and md["profile_scratch_size"] == 0
+        assert md["launch_cooperative_grid"] is False and md["triton_version"]
+        assert len(md["hash"]) == 64
+
+
+def test_params_are_user_then_hidden_and_match_the_ptx_entry(built: tuple[list[AotResult], list[str]]) -> None:
+    for r in built[0]:
+        assert r.params == [
+            {"name": "TASKS", "type": "*i32"}, {"name": "CNT", "type": "*i32"},
+            {"name": "A", "type": "*fp32"}, {"name": "n_tasks", "type": "i32"},
+            {"name": "global_scratch", "type": "*i8", "hidden": True},
+            {"name": "profile_scratch", "type": "*i8", "hidden": True},
+        ]
+        entry = re.search(r"\.entry mk\((.*?)\)", r.ptx, re.S)
+        assert entry is not None and entry.group(1).count(".param") == len(r.params)
+
+
+def test_resources(built: tuple[list[AotResult], list[str]]) -> None:
+    for r in built[0]:
+        res = r.resources
+        assert res.registers > 0 and res.stack == 0 and res.local == 0
+        assert res.spill_stores == 0 and res.spill_loads == 0
+        assert resource_usage(r.cubin).registers == res.registers  # standalone: no log, spills 0
+
+
+def test_spills_come_from_the_ptxas_log(built: tuple[list[AotResult], list[str]]) -> None:
+    log = ("ptxas info    : Compiling entry function 'mk' for 'sm_86'\n"
+           "ptxas info    : Function properties for mk\n"
+           "    96 bytes stack frame, 40 bytes spill stores, 56 bytes spill loads\n")
+    res = resource_usage(built[0][0].cubin, function="mk", ptxas_log=log)
+    assert (res.spill_stores, res.spill_loads) == (40, 56)
+    with pytest.raises(AotError, match="no function 'other'"):
+        resource_usage(built[0][0].cubin, function="other")
+
+
+def test_ptx_sync_guard(built: tuple[list[AotResult], list[str]]) -> None:
+    for r in built[0]:
+        assert check_ptx_sync(r.ptx) == []
+        no_release = "\n".join(ln for ln in r.ptx.splitlines() if ".release" not in ln)
+        assert [p for p in check_ptx_sync(no_release) if "release" in p]
+        # sm_90 waits with fence.acquire, sm_86 with fence.acq_rel (its PTX has no fence.acquire)
+        no_acquire = re.sub(r"fence\.(acquire|acq_rel)\.gpu", "fence.sc.cta", r.ptx)
+        problems = check_ptx_sync(no_acquire)
+        assert any("acquire" in p for p in problems) and any("CTA-scoped" in p for p in problems)
+
+
+def test_compile_error_names_kernel_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.py"
+    path.write_text(PERSISTENT.replace("x * 2.0", "tl.reshape(x, (3, 7))"))
+    with pytest.raises(AotError) as e:
+        compile_kernel(path, "mk", SIG, {"DEBUG": False}, [TARGETS["a10"]])
+    msg = str(e.value)
+    assert isinstance(e.value, ZlcError) and "'mk'" in msg and "sm_86" in msg
+    assert "power of 2" in msg and "bad.py:8" in msg and "called from bad.py:" in msg
+    assert "Traceback" not in msg
+
+
+def test_syntax_error_names_kernel(tmp_path: Path) -> None:
+    path = tmp_path / "syn.py"
+    path.write_text(PERSISTENT.replace("x * 2.0", "x * = 2.0"))
+    with pytest.raises(AotError, match=r"(?s)cannot load kernel 'mk'.*SyntaxError"):
+        compile_kernel(path, "mk", SIG, {"DEBUG": False}, [TARGETS["h100"]])
+
+
+def test_signature_must_match_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "kernel.py"
+    path.write_text(PERSISTENT)
+    with pytest.raises(AotError, match="missing DEBUG"):
+        compile_kernel(path, "mk", SIG, {}, [TARGETS["a10"]])
+
+
+def test_cpu_target_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AotError, match="'cpu' runs on Triton's CPU interpreter"):
+        compile_kernel(tmp_path / "kernel.py", "mk", SIG, {"DEBUG": False}, [TARGETS["a10"], TARGETS["cpu"]])
