@@ -551,17 +551,26 @@ def _assign_events(ops: list[Op], mode: str, events: _Events) -> list[Task]:
     scratch = _Events()
     _assign_pass(ops, mode, scratch, None)
     tasks = [t for op in ops for t in op.tasks[mode]]
-    kept = {id(t): {r for r in t.reads if _read_waited(t, r, tasks)} for t in tasks}
+    writers = _writers(tasks)
+    kept = {id(t): {r for r in t.reads if _read_waited(t, r, writers)} for t in tasks}
     for t in tasks:
         t.waits, t.signal, t.signal_target, t.parent = [], -1, 0, -1
     return _assign_pass(ops, mode, events, kept)
 
 
-def _read_waited(t: Task, r: Region, tasks: list[Task]) -> bool:
+def _writers(tasks: list[Task]) -> dict[str, list[Task]]:
+    out: dict[str, list[Task]] = {}
+    for t in tasks:
+        for r in t.writes:
+            out.setdefault(r.buffer, []).append(t)
+    return out
+
+
+def _read_waited(t: Task, r: Region, writers: dict[str, list[Task]]) -> bool:
     """Whether, after pruning, one of t's waits is on an event a writer of r signals."""
     waited = {e for e, _ in t.waits}
     return any(w is not t and any(r.overlaps(x) for x in w.writes) and (w.signal in waited or w.parent in waited)
-               for w in tasks)
+               for w in writers.get(r.buffer, []))
 
 
 def _assign_pass(ops: list[Op], mode: str, events: _Events,
@@ -571,10 +580,7 @@ def _assign_pass(ops: list[Op], mode: str, events: _Events,
     for oi, op in enumerate(ops):
         for t in op.tasks[mode]:
             owner[id(t)] = oi
-    writers: dict[str, list[Task]] = {}
-    for t in tasks:
-        for r in t.writes:
-            writers.setdefault(r.buffer, []).append(t)
+    writers = _writers(tasks)
     # what each consumer read needs: the set of producer tasks, per producing op
     needs: list[list[tuple[int, frozenset[int]]]] = []
     wanted: dict[int, set[frozenset[int]]] = {}
@@ -678,18 +684,20 @@ def happens_before(tasks: list[Task]) -> list[int]:
     """Bitset per task of the tasks certainly finished when it starts (through its waits)."""
     sig = signalers(tasks)
     hb = [0] * len(tasks)
-    done_mask: dict[int, int] = {}
-    for e, idx in sig.items():
-        m = 0
-        for i in idx:
-            m |= 1 << i
-        done_mask[e] = m
-    order = _topo(tasks, sig)
-    for i in order:
-        m = 0
-        for e, _ in tasks[i].waits:
+    closure: dict[int, int] = {}  # event -> its signalers and everything before them
+
+    def done(e: int) -> int:
+        if e not in closure:
+            m = 0
             for j in sig.get(e, []):
                 m |= hb[j] | (1 << j)
+            closure[e] = m
+        return closure[e]
+
+    for i in _topo(tasks, sig):
+        m = 0
+        for e, _ in tasks[i].waits:
+            m |= done(e)
         hb[i] = m
     return hb
 

@@ -26,6 +26,7 @@ class TableError(ZlcError):
 def validate_tasks(tasks: list[Task], mode: str = "") -> None:
     where = f"{mode} table" if mode else "table"
     sig = signalers(tasks)
+    counts = _signal_counts(tasks)
     for i, t in enumerate(tasks):
         if len(t.waits) > MAX_WAITS:
             raise TableError(f"{where}: task {i} ({t.label}) has {len(t.waits)} waits, at most {MAX_WAITS}")
@@ -37,14 +38,17 @@ def validate_tasks(tasks: list[Task], mode: str = "") -> None:
             if late:
                 raise TableError(f"{where}: task {i} ({t.label}) waits on event {e} signalled by task "
                                  f"{late[0]} ({tasks[late[0]].label}), which comes later: not topological")
-            if target != _signal_count(tasks, e):
+            if target != counts.get(e, 0):
                 raise TableError(f"{where}: task {i} ({t.label}) waits for event {e} to reach {target}, "
-                                 f"but it receives {_signal_count(tasks, e)} signals")
-    for e in sig:
-        members = [t for t in tasks if t.signal == e]
-        if members and any(t.signal_target != len(members) for t in members):
-            raise TableError(f"{where}: event {e}: group target {members[0].signal_target} but "
-                             f"{len(members)} tasks signal it (the parent would never fire)")
+                                 f"but it receives {counts.get(e, 0)} signals")
+    members: dict[int, list[Task]] = {}
+    for t in tasks:
+        if t.signal >= 0:
+            members.setdefault(t.signal, []).append(t)
+    for e, ms in members.items():
+        if any(t.signal_target != len(ms) for t in ms):
+            raise TableError(f"{where}: event {e}: group target {ms[0].signal_target} but "
+                             f"{len(ms)} tasks signal it (the parent would never fire)")
     hb = happens_before(tasks)
     writers: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
@@ -58,20 +62,30 @@ def validate_tasks(tasks: list[Task], mode: str = "") -> None:
                 if not (hb[i] >> j) & 1:
                     raise TableError(f"{where}: task {i} ({t.label}) reads {r.buffer}[{r.lo}:{r.hi}] written "
                                      f"by task {j} ({tasks[j].label}) without a dependency on it")
-    for buf, ws in writers.items():
-        for a_i, a in enumerate(ws):
-            for b in ws[a_i + 1:]:
-                ra = [r for r in tasks[a].writes if r.buffer == buf]
-                rb = [r for r in tasks[b].writes if r.buffer == buf]
-                if any(x.overlaps(y) for x in ra for y in rb) and not ((hb[a] >> b) & 1 or (hb[b] >> a) & 1):
+    for buf in writers:  # sweep by first column: only regions that overlap are compared
+        regs = sorted(((r, i) for i, t in enumerate(tasks) for r in t.writes if r.buffer == buf),
+                      key=lambda x: x[0].lo)
+        for k, (ra, a) in enumerate(regs):
+            for rb, b in regs[k + 1:]:
+                if rb.lo >= ra.hi:
+                    break
+                if a != b and ra.overlaps(rb) and not ((hb[a] >> b) & 1 or (hb[b] >> a) & 1):
                     raise TableError(f"{where}: tasks {a} ({tasks[a].label}) and {b} ({tasks[b].label}) "
                                      f"both write {buf} unordered (write-write race)")
 
 
-def _signal_count(tasks: list[Task], e: int) -> int:
-    direct = sum(1 for t in tasks if t.signal == e)
-    groups = {t.signal for t in tasks if t.parent == e}
-    return direct + len(groups)
+def _signal_counts(tasks: list[Task]) -> dict[int, int]:
+    """Signals each event receives: its direct signallers, plus one per group whose parent it is."""
+    counts: dict[int, int] = {}
+    groups: dict[int, set[int]] = {}
+    for t in tasks:
+        if t.signal >= 0:
+            counts[t.signal] = counts.get(t.signal, 0) + 1
+        if t.parent >= 0:
+            groups.setdefault(t.parent, set()).add(t.signal)
+    for e, gs in groups.items():
+        counts[e] = counts.get(e, 0) + len(gs)
+    return counts
 
 
 def validate_program(p: Program, tables: dict[str, list[Task]] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The `zlc` command line: verify, inspect and run models (click + rich).
+"""The `zlc` command line: compile, verify, inspect and run models and bundles (click + rich).
 
 Errors: every ZlcError is one red line on stderr and exits with `err.exit_code`; click usage errors
 are one line too (exit 2); anything else is an "internal error" line (exit 70) with a hint to rerun
@@ -278,17 +278,26 @@ def _print_report(rep: VerifyReport) -> None:
 # ---- zlc inspect ----------------------------------------------------------------------------------
 
 @cli.command()
-@MODEL
+@click.argument("model", type=click.Path(exists=True, path_type=Path), metavar="MODEL|BUNDLE")
 @click.option("--ir", "show_ir", is_flag=True, help="Print the IR text (default: the final decode graph).")
 @click.option("--after", "after", metavar="STAGE", default=None,
               help=f"Stop the pipeline after STAGE and dump that graph: {', '.join(STAGE_NAMES)}.")
 @click.option("--prefill", is_flag=True, help="With the kv-cache stage, dump the prefill graph instead.")
 @click.option("--stats", is_flag=True, help="Per-stage time, node count and statistics; op histograms.")
 @click.option("--explain", is_flag=True, help="Why raising rules refused to match (rule, reason, count).")
+@click.option("--tasks", "show_tasks", is_flag=True, help="BUNDLE: print the task table (decode; "
+              "--prefill for prefill) of the cpu tiling, or --tiling gpu.")
+@click.option("--tiling", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest.")
 @MAX_SEQ
 def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats: bool, explain: bool,
-            max_seq: int | None) -> None:
-    """Lower MODEL and show what the compiler did. Without flags: the stage statistics."""
+            show_tasks: bool, tiling: str, as_json: bool, max_seq: int | None) -> None:
+    """Lower MODEL and show what the compiler did (without flags: the stage statistics), or show a
+    compiled BUNDLE: model, tasks per step, per-target registers/spills and roofline."""
+    if model.is_dir():
+        _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
+                        show_ir)
+        return
     _check_stage(after)
     show_ir = show_ir or (after is not None and not (stats or explain))
     if not (show_ir or stats or explain):
@@ -306,6 +315,38 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
         from .ir import print_graph
 
         click.echo(print_graph(_dumped_graph(lowered, after, prefill)), nl=False)
+
+
+def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_json: bool, show_ir: bool) -> None:
+    from .artifact import read_manifest, verify_checksums
+
+    man = read_manifest(path)
+    if as_json:
+        click.echo(json.dumps(man, indent=1))
+        return
+    if show_ir:
+        click.echo((path / "ir" / f"{mode}.zir").read_text(), nl=False)
+        return
+    if not show_tasks:
+        _print_bundle(man, path)
+        verify_checksums(path, man)
+        _out().print(f"checksums: {len(man['files'])} files ok")
+        return
+    if tiling not in man["tilings"]:
+        raise ZlcError(f"{path} has no {tiling} tiling (tilings: {', '.join(man['tilings'])})")
+    from zlc.codegen.program import OP_NAMES
+
+    tables = json.loads((path / man["tilings"][tiling]["readable"]).read_text())
+    t = Table(title=f"{tiling} {mode} tasks", title_justify="left")
+    for col in ("#", "op", "task", "waits (event=target)", "signals"):
+        t.add_column(col)
+    for i, task in enumerate(tables["tables"][mode]):
+        sig = "" if task["signal"] < 0 else f"{task['signal']}/{task['signal_target']}"
+        if task["parent"] >= 0:
+            sig += f" -> {task['parent']}"
+        t.add_row(str(i), OP_NAMES[task["op"]], escape(task["label"]),
+                  " ".join(f"{e}={n}" for e, n in task["waits"]), sig)
+    _out().print(t)
 
 
 def _dumped_graph(lowered: Lowered, after: str | None, prefill: bool) -> Graph:
@@ -355,27 +396,154 @@ def _print_explain(lowered: Lowered) -> None:
     out.print(t)
 
 
+# ---- zlc compile ----------------------------------------------------------------------------------
+
+class CompileProgress:
+    """Stage lines on stderr for `zlc compile` (a live status on terminals, plain lines otherwise)."""
+
+    def __init__(self) -> None:
+        self.console = _err()
+        self.status = self.console.status("") if self.console.is_terminal else None
+        self.stage: str | None = None
+        self.t = self.t0 = time.perf_counter()
+
+    def __enter__(self) -> CompileProgress:
+        if self.status is not None:
+            self.status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.status is not None:
+            self.status.stop()
+
+    def __call__(self, stage: str, detail: str) -> None:
+        now = time.perf_counter()
+        if stage != self.stage:
+            if self.stage is not None:
+                self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
+            self.stage, self.t = stage, now
+        if self.status is not None:
+            self.status.update(f"{escape(stage)}: {escape(detail)}")
+        elif stage == "aot":
+            self.console.print(f"  {escape(detail)}")
+
+    def done(self) -> None:
+        self("done", "")
+
+
+@cli.command("compile")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="a10 a100 l4 rtx3090 rtx4090 h100 h200 cpu; repeat for several (default: cpu).")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Bundle directory (default: MODEL's stem + .zlc, in the current directory).")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="Weight dtype; auto: bf16 when a GPU target is named, else fp32. Math is f32.")
+@click.option("--max-seq", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Positions the KV cache and rotary tables hold.")
+@click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,
+              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
+@click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory that is not a bundle.")
+@click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
+def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
+                tokenizer: Path | None, skip_verify: bool, force: bool, as_json: bool) -> None:
+    """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
+    tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
+    from .targets import get_target
+
+    for t in targets:
+        get_target(t)  # unknown names fail before any work
+    with CompileProgress() as p:
+        from .compile import compile
+
+        res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
+                      tokenizer=tokenizer, verify=not skip_verify, progress=p, force=force)
+        p.done()
+    if as_json:
+        click.echo(json.dumps(_compile_report(res.manifest, res.seconds, res.path), indent=1))
+        return
+    _print_bundle(res.manifest, res.path, res.seconds)
+
+
+def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Path) -> dict[str, Any]:
+    return {"bundle": str(path), "model": man["model"]["name"], "dtype": man["dtype"],
+            "tasks": {k: v["summary"]["tasks"] for k, v in man["tilings"].items()},
+            "targets": {k: {"arch": v["arch"], "resources": v.get("resources"), "roofline": v["roofline"]}
+                        for k, v in man["targets"].items()},
+            "verification": man["verification"], "seconds": secs or man.get("compile_seconds")}
+
+
+def _print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None = None) -> None:
+    out = _out()
+    m = man["model"]
+    ver = man.get("verification", {})
+    out.print(f"[bold]{escape(str(path))}[/]: {escape(m['name'])}, {m['layers']} layers, vocab {m['vocab']}, "
+              f"max_seq {m['max_seq']}, weights {man['dtype']['weights']} (f32 math)")
+    vs = ver.get("status", "skipped")
+    out.print(f"verification: {vs}" + (f" ({escape(ver['summary'])})" if ver.get("summary") else ""))
+    for key, tl in man["tilings"].items():
+        sm = tl["summary"]
+        by = ", ".join(f"{k} {v}" for k, v in sm["tasks_by_op"]["decode"].items())
+        out.print(f"tiling {key}: {sm['tasks']['decode']} tasks per decode step ({by}); "
+                  f"{sm['tasks']['prefill']} per prefill launch (≤{tl['layout']['chunk']} tokens); "
+                  f"{sm['waits_per_task']['decode']} waits per task")
+    t = Table(title="targets", title_justify="left")
+    for col in ("target", "arch", "grid", "registers", "spills (B)", "shared (B)", "bytes/step", "floor"):
+        t.add_column(col, justify="right" if col not in ("target", "arch") else "left")
+    for name, info in man["targets"].items():
+        r = info.get("resources") or {}
+        rf = info["roofline"]
+        ctx = max(int(k.rsplit("_", 1)[1]) for k in rf if k.startswith("floor_us_at_"))
+        ctx = min(ctx, 128) if f"floor_us_at_{min(ctx, 128)}" in rf else ctx
+        floor = rf.get(f"floor_us_at_{ctx}")
+        t.add_row(name, info["arch"], str(info.get("grid", "")), str(r.get("registers", "-")),
+                  f"{r.get('spill_stores', 0)}/{r.get('spill_loads', 0)}" if r else "-",
+                  str(info.get("metadata", {}).get("shared", "-")) if r else "-",
+                  f"{rf[f'bytes_at_{ctx}'] / 1e6:.2f} MB @{ctx}",
+                  f"{floor:.1f} µs" if floor is not None else "-")
+    out.print(t)
+    if secs:
+        out.print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+
+
 # ---- zlc run --------------------------------------------------------------------------------------
 
 @cli.command()
-@MODEL
-@click.option("--prompt-ids", type=IdList(), required=True, help="The prompt as token ids: 1,2,3.")
+@click.argument("model", type=click.Path(exists=True, path_type=Path), metavar="MODEL|BUNDLE")
+@click.option("--prompt", default=None, help="Text prompt (bundles with a tokenizer; chat template applied).")
+@click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
+@click.option("--raw", is_flag=True, help="With --prompt: no chat template, encode the text as is.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Bundles: cpu runs the megakernel in Triton's interpreter.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-@click.option("--eos", type=int, default=None, help="Stop after generating this token id.")
+@click.option("--eos", type=int, default=None, help="Stop after generating this token id (default: the "
+              "tokenizer's end-of-sequence ids).")
 @MAX_SEQ
-@click.option("--json", "as_json", is_flag=True, help="Print prompt and generated ids as JSON.")
-def run(model: Path, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_p: float,
-        seed: int, eos: int | None, max_seq: int | None, as_json: bool) -> None:
-    """Lower MODEL and generate token ids from a prompt.
+@click.option("--json", "as_json", is_flag=True, help="Print prompt and generated ids (and text) as JSON.")
+def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
+        device: str, temperature: float, top_p: float, seed: int, eos: int | None, max_seq: int | None,
+        as_json: bool) -> None:
+    """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX MODEL and generate with the
+    CPU reference executor (one IR node at a time: what the compiled model computes, not how fast).
 
-    This runs zlc's CPU reference executor (PyTorch, one IR node at a time) with the compiler's
-    KV cache: it shows what the compiled model computes, not how fast. The GPU megakernel runtime
-    does not exist yet.
+    With --prompt the text streams as it is produced; with --prompt-ids the new ids are printed.
     """
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-ids")
+    if model.is_dir():
+        _run_bundle(model, prompt, prompt_ids, raw, max_new_tokens, device, temperature, top_p, seed, eos,
+                    as_json)
+        return
+    if prompt_ids is None:
+        raise click.UsageError("--prompt needs a compiled bundle with a tokenizer (zlc compile --tokenizer); "
+                               "for an ONNX file use --prompt-ids")
+    if device != "cpu":
+        raise click.UsageError("an ONNX MODEL runs on the CPU reference executor; compile it for a GPU")
     need = len(prompt_ids) + max_new_tokens
     if max_seq is not None and need > max_seq:
         raise ZlcError(f"prompt ({len(prompt_ids)}) + max-new-tokens ({max_new_tokens}) exceed "
@@ -396,6 +564,71 @@ def run(model: Path, prompt_ids: list[int], max_new_tokens: int, temperature: fl
         click.echo(json.dumps({"prompt": prompt_ids, "generated": ids}))
     else:
         click.echo(",".join(str(i) for i in ids))
+
+
+def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
+                device: str, temperature: float, top_p: float, seed: int, eos: int | None,
+                as_json: bool) -> None:
+    from .runtime.loader import load
+
+    bundle = load(path)
+    err = _err()
+    if not bundle.verified:
+        err.print(f"[yellow]warning:[/] {escape(bundle.name)} was compiled without verification "
+                  "(--skip-verify); its output is unchecked")
+    tok = bundle.tokenizer
+    if prompt is not None:
+        if tok is None:
+            raise ZlcError(f"{path} has no tokenizer; recompile with --tokenizer PATH or use --prompt-ids")
+        ids = tok.encode(prompt) if raw or not tok.has_chat_template else tok.encode_chat(prompt)
+    else:
+        assert prompt_ids is not None
+        ids = prompt_ids
+    stops: list[int] = [eos] if eos is not None else bundle.eos_token_ids
+    if len(ids) + max_new_tokens - 1 > bundle.max_seq:
+        raise ZlcError(f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceed the bundle's "
+                       f"max_seq={bundle.max_seq}; recompile with a larger --max-seq")
+    status = err.status(f"starting the {device} executor") if err.is_terminal else None
+    if status is not None:
+        status.start()
+    out_ids: list[int] = []
+    t0 = time.perf_counter()
+    first: float | None = None
+    try:
+        with bundle.session(device) as s:
+            if status is not None:
+                status.update(f"prefill ({len(ids)} tokens, {device})")
+            dec = tok.stream_decoder() if (tok is not None and prompt is not None) else None
+            for t in s.stream(ids, max_new_tokens, eos=stops, temperature=temperature, top_p=top_p, seed=seed):
+                if first is None:
+                    first = time.perf_counter() - t0
+                    if status is not None:
+                        status.stop()
+                        status = None
+                out_ids.append(t)
+                if as_json:
+                    continue
+                if dec is not None:
+                    text = dec.feed(t)
+                    if text:
+                        click.echo(text, nl=False)
+                else:
+                    click.echo(("," if len(out_ids) > 1 else "") + str(t), nl=False)
+            if dec is not None and not as_json:
+                click.echo(dec.flush(), nl=False)
+    finally:
+        if status is not None:
+            status.stop()
+    total = time.perf_counter() - t0
+    if as_json:
+        res: dict[str, Any] = {"prompt": ids, "generated": out_ids}
+        if tok is not None:
+            res["text"] = tok.decode(out_ids)
+        click.echo(json.dumps(res))
+        return
+    click.echo()
+    err.print(f"[dim]{len(out_ids)} tokens on {device}: first after {first or 0:.2f} s, "
+              f"{total:.2f} s in all[/]")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -121,6 +121,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         from zlc.codegen.aot import check_ptx_sync, compile_kernel
 
         gp = programs["gpu"]
+        _stage(progress, "aot", f"{', '.join(t.name for t in gpu_targets)} (ptxas)")
         results = compile_kernel(tmp / "kernel.py", ENTRY, signature(wdtype), gp.constexprs(),
                                  gpu_targets, num_warps=gp.tiling.num_warps,
                                  on_progress=lambda s: _stage(progress, "aot", s))

@@ -23,10 +23,13 @@ from zlc.errors import ZlcError
 
 
 class InterpretBackend:
-    def __init__(self, bundle: Path, tiling: str, *, debug: bool = False):
+    def __init__(self, bundle: Path, tiling: str, *, debug: bool = False, tables: Path | None = None):
+        """`tables` replaces the bundle's task tables for `tiling` (a safetensors file with tasks,
+        desc_int, desc_float): tests run shuffled or deliberately broken tables this way."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker, args=(child, str(bundle), tiling, debug), daemon=True,
+        self._proc = ctx.Process(target=_worker, args=(child, str(bundle), tiling, debug,
+                                                       str(tables) if tables else None), daemon=True,
                                  name="zlc-interpret")
         self._proc.start()
         child.close()
@@ -66,10 +69,34 @@ class InterpretBackend:
             pass
 
 
-def _worker(conn: Connection, bundle: str, tiling: str, debug: bool) -> None:
+def _fast_device_calls() -> None:
+    """Triton's interpreter re-patches `triton.language` on every call of a @triton.jit helper
+    (~1 ms each, most of a task's time). A launch patches the language modules visible from the
+    kernel's globals, and `_KernelState` makes both `triton.language` and its `core` (which
+    Triton's own jit helpers use) visible there, so device calls can skip the re-patch. Only
+    touches Triton when its internals look as expected; otherwise it runs unchanged, slower."""
+    from triton.runtime import interpreter as ti
+
+    cls = getattr(ti, "InterpretedFunction", None)
+    if cls is None or not hasattr(cls, "rewrite") or getattr(cls, "_zlc_fast", False):
+        return
+
+    def device_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    cls.__call__ = device_call
+    cls._zlc_fast = True
+
+
+def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str | None) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        state = _KernelState(Path(bundle), tiling, debug)
+        _fast_device_calls()
+        state = _KernelState(Path(bundle), tiling, debug, Path(tables) if tables else None)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.recv()
         conn.send(("error", f"cannot load the kernel: {type(e).__name__}: {e}"))
@@ -97,7 +124,7 @@ def _worker(conn: Connection, bundle: str, tiling: str, debug: bool) -> None:
 class _KernelState:
     """Arenas and tables of one bundle as CPU tensors, and the kernel function."""
 
-    def __init__(self, bundle: Path, tiling: str, debug: bool):
+    def __init__(self, bundle: Path, tiling: str, debug: bool, tables: Path | None):
         import torch
         from safetensors.torch import load_file
 
@@ -113,6 +140,9 @@ class _KernelState:
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
+        import triton.language
+
+        mod.__dict__.setdefault("_zlc_tl_core", triton.language.core)  # see _fast_device_calls
         self.fn = getattr(mod, k["entry"])
         tl = man["tilings"][tiling]
         self.constexprs = dict(tl["constexprs"], DEBUG=int(debug))
@@ -120,7 +150,7 @@ class _KernelState:
         w = load_file(str(bundle / man["weights"]["file"]))
         self.W = w["W"].float()  # bf16 is exact in f32; the interpreter computes in numpy
         self.P = w["P"]
-        t = load_file(str(bundle / tl["tables"]))
+        t = load_file(str(tables or bundle / tl["tables"]))
         self.TASKS, self.DI, self.DF = t["tasks"], t["desc_int"], t["desc_float"]
         lay = tl["layout"]
         self.A = torch.zeros(lay["a_size"], dtype=torch.float32)

@@ -1,0 +1,221 @@
+"""The megakernel in the Triton interpreter against the reference executor: every architecture
+switch, chunked prefill, split-KV, shuffled task orders; and the controls that show the tests can
+fail (a dropped wait gives wrong numbers; an unreachable wait times out in a debug build).
+
+The interpreter runs a launch's programs one after another, so a table runs in table order:
+shuffling the order is how these tests exercise the dependencies a GPU relies on. Each bundle is
+compiled once per module; every backend is a spawned worker (~3 s to start)."""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import zlc
+from zlc import zoo
+from zlc.codegen import program as pg
+from zlc.codegen.program import Task
+from zlc.codegen.schedule import schedule, signalers, tiling_for
+from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
+from zlc.codegen.validate import TableError, validate_program, validate_tasks
+from zlc.errors import ZlcError
+from zlc.runtime.interpret import InterpretBackend
+from zlc.runtime.megakernel import MegakernelSession
+from zlc.runtime.session import ReferenceSession
+from zlc.targets import get_target
+
+pytest.importorskip("triton")
+
+ATOL = 1e-4
+PROMPT = [1, 5, 9, 200, 17, 33, 2]
+MODELS = {  # id -> (zoo kind, family, opset)
+    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
+    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
+    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
+    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
+    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
+}
+TIED = {"llama": False, "gpt2": True, "gemma": True, "phi3-genai": False, "qwen2-optimum": False}
+
+
+class Built:
+    """A compiled bundle and the lowered model it came from (the reference's input)."""
+
+    def __init__(self, path: Path, lowered: Any):
+        self.path, self.lowered = path, lowered
+        man = zlc.load(path).manifest
+        self.chunk = int(man["tilings"]["cpu"]["layout"]["chunk"])
+        self.vocab = int(man["model"]["vocab"])
+        self.max_seq = int(man["model"]["max_seq"])
+
+    def program(self, tiling: pg.Tiling | None = None) -> pg.Program:
+        """The bundle's program rescheduled (the same as the bundle's when `tiling` is None)."""
+        t = tiling or tiling_for(get_target("cpu"), self.max_seq)
+        return schedule(self.lowered.decode, t, self.max_seq)
+
+    def session(self, path: Path | None = None, **kw: Any) -> MegakernelSession:
+        return MegakernelSession(InterpretBackend(path or self.path, "cpu", **kw), chunk=self.chunk,
+                                 max_seq=self.max_seq, vocab=self.vocab)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Built]:
+    cache: dict[tuple[str, int], Built] = {}
+
+    def get(name: str, max_seq: int = 64) -> Built:
+        if (name, max_seq) not in cache:
+            src = zoo.cached(*MODELS[name])  # type: ignore[arg-type]
+            out = tmp_path_factory.mktemp("bundles") / f"{name}-{max_seq}.zlc"
+            zlc.compile(src, targets=["cpu"], out=out, max_seq=max_seq, verify=False)
+            cache[name, max_seq] = Built(out, zlc.lower(src, options=zlc.CompileOptions(max_seq=max_seq)))
+        return cache[name, max_seq]
+
+    return get
+
+
+@pytest.fixture
+def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield tmp_path_factory.mktemp("tables")  # not tmp_path: Hypothesis tests reuse one fixture value
+
+
+def run_both(s: MegakernelSession, lowered: Any, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Prefill (all logits) + `steps` decode steps on the megakernel and the reference, each decode
+    step fed the reference's greedy token. Returns the max abs errors and both token streams."""
+    ref = ReferenceSession.from_lowered(lowered)
+    tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+    want = ref.prefill(prompt).numpy()
+    assert lg is not None and lg.shape == want.shape
+    errs = [float(np.abs(lg - want).max())]
+    got_toks, ref_toks = [tok], [int(want[-1].argmax())]
+    for _ in range(steps):
+        feed = ref_toks[-1]
+        tok, lg = s.step(feed, want_logits=True)
+        want = ref.step(feed).numpy()
+        assert lg is not None and lg.shape == (1, want.shape[-1])
+        errs.append(float(np.abs(lg[0] - want).max()))
+        got_toks.append(tok)
+        ref_toks.append(int(want.argmax()))
+    return {"errors": errs, "tokens": got_toks, "ref_tokens": ref_toks}
+
+
+def assert_matches(r: dict[str, Any]) -> None:
+    assert max(r["errors"]) <= ATOL, f"max abs error per launch {r['errors']}"
+    assert r["tokens"] == r["ref_tokens"]
+
+
+# ---- every architecture switch -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_megakernel_matches_reference(built: Callable[..., Built], name: str) -> None:
+    b = built(name)
+    g = b.lowered.decode
+    emb = next(n for n in g.nodes if n.op == "Embedding")
+    lm = next(n for n in g.nodes if n.op == "LMHead")
+    e, w = emb.inputs[0].const_array(), lm.inputs[1].const_array()
+    assert (e.shape == w.shape and np.array_equal(e, w)) == TIED[name]  # the configs cover both
+    with b.session() as s:
+        r = run_both(s, b.lowered, PROMPT, steps=4)
+        assert s.launches == 5
+    assert_matches(r)
+
+
+def test_prompt_longer_than_a_chunk(built: Callable[..., Built]) -> None:
+    b = built("llama", 128)
+    assert b.chunk == 64
+    prompt = [(7 * i + 3) % b.vocab for i in range(b.chunk + 6)]
+    with b.session() as s:
+        r = run_both(s, b.lowered, prompt, steps=2)
+        assert s.launches == 2 + 2  # the prompt in two launches, then the steps
+    assert_matches(r)
+
+
+@pytest.mark.slow
+def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle: Any, work: Path) -> None:
+    """The cpu tiling never splits KV; a custom tiling with 4 splits of 16 keys (and 16-column
+    Linear tasks, so many tasks) runs through a bundle rewritten for it. Decode at positions
+    37..40 uses three splits and leaves the fourth empty."""
+    b = built("llama")
+    t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0)
+    p = b.program(t)
+    validate_program(p)
+    assert sum(x.op == pg.OP_ATTN_COMBINE for x in p.tables["decode"]) == 2 * 4  # layers x heads
+    path = program_bundle(b.path, work / "split.zlc", p)
+    prompt = [(11 * i + 5) % b.vocab for i in range(37)]
+    with b.session(path) as s:
+        r = run_both(s, b.lowered, prompt, steps=3)
+    assert_matches(r)
+
+
+# ---- task orders ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_shuffled_task_orders(built: Callable[..., Built], work: Path, seed: int) -> None:
+    """Any order the waits allow computes the same numbers (a GPU runs tasks in such orders)."""
+    b = built("llama")
+    p = b.program()
+    rng = random.Random(seed)
+    tables = {mode: random_topological_order(tasks, rng) for mode, tasks in p.tables.items()}
+    validate_program(p, tables)
+    assert any(x is not y for m in tables for x, y in zip(tables[m], p.tables[m], strict=True))
+    f = write_tables(work / f"shuffled-{seed}.safetensors", p, tables)
+    with b.session(tables=f) as s:
+        assert_matches(run_both(s, b.lowered, PROMPT, steps=2))
+
+
+def _guarded_read(tasks: list[Task]) -> tuple[int, int]:
+    """(task, wait) of the first layer's first attention task and its wait on the q projection:
+    without it, attention reads q before it is written."""
+    sig = signalers(tasks)
+    i = next(k for k, t in enumerate(tasks) if t.op == pg.OP_ATTENTION)
+    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == pg.OP_LINEAR for j in sig[e]))
+    return i, w
+
+
+def test_dropped_wait_gives_wrong_numbers(built: Callable[..., Built], work: Path) -> None:
+    """The negative control: the tests above would catch a missing dependency. Without the wait,
+    the validator refuses the table, and the order that runs the reader first (what a GPU may
+    do) computes with a stale q."""
+    b = built("llama")
+    p = b.program()
+    tables = {}
+    for mode, tasks in p.tables.items():
+        i, w = _guarded_read(tasks)
+        weakened = drop_wait(tasks, i, w)
+        with pytest.raises(TableError, match=rf"task {i} \({re.escape(tasks[i].label)}\) reads .* without a dependency"):
+            validate_tasks(weakened, mode)
+        tables[mode] = adversarial_order(weakened, i)
+        producers = {tasks[j].label for j in signalers(tasks)[tasks[i].waits[w][0]]}
+        labels = [t.label for t in tables[mode]]
+        assert all(labels.index(x) > labels.index(tasks[i].label) for x in producers)
+    f = write_tables(work / "adversarial.safetensors", p, tables)  # the validator is bypassed here
+    with b.session(tables=f) as s:
+        r = run_both(s, b.lowered, PROMPT, steps=1)
+    assert min(r["errors"]) > 1e-3, r["errors"]
+
+
+def test_debug_build_reports_a_wait_timeout(built: Callable[..., Built], work: Path) -> None:
+    """A wait whose target is never reached hangs a release build; a debug build gives up after
+    DEBUG_WAIT_TIMEOUT_NS (2 s), finishes the launch, and raises the error flag."""
+    b = built("llama")
+    p = b.program()
+    pre = copy.deepcopy(p.tables["prefill"])
+    t = next(t for t in pre if t.op == pg.OP_ARGMAX)
+    e, target = t.waits[0]
+    t.waits[0] = (e, target + 1)
+    with pytest.raises(TableError, match="argmax"):
+        validate_tasks(pre, "prefill")
+    f = write_tables(work / "unreachable.safetensors", p, {"prefill": pre})
+    with b.session(tables=f, debug=True) as s, pytest.raises(ZlcError, match="wait timed out"):
+        s.prefill(PROMPT)

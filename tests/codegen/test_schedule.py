@@ -1,0 +1,342 @@
+"""The scheduler's task tables (structure from the model's dimensions), the table validator
+(hand-built bad tables), and the reorderings the megakernel tests use. No interpreter: fast."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zlc.codegen import program as pg
+from zlc.codegen.program import OP_NAMES, Program, Region, Task, Tiling
+from zlc.codegen.schedule import schedule, signalers, tiling_for
+from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
+from zlc.codegen.validate import TableError, validate_program, validate_tasks
+from zlc.targets import get_target
+from zlc.zoo import FAMILIES
+
+TILINGS = ("cpu", "h100")
+MODELS = {  # id -> (zoo kind, family, opset): every frontend route, MHA/GQA, LayerNorm/RMSNorm
+    "llama": ("stateless", "llama", 20),
+    "gpt2": ("stateless", "gpt2", 20),
+    "gemma": ("stateless", "gemma", 20),
+    "phi3-genai": ("genai", "phi3", None),
+    "qwen2-optimum": ("optimum_kv", "qwen2", 20),
+}
+NORM_OPS = ("RMSNorm", "LayerNorm")
+LINEAR_OPS = ("Linear", "GatedMLP", "MLP", "LMHead")
+
+
+def _program(lowered: Any, target: str) -> Program:
+    return schedule(lowered.decode, tiling_for(get_target(target), lowered.max_seq), lowered.max_seq)
+
+
+def _hist(tasks: list[Task]) -> dict[str, int]:
+    h: dict[str, int] = {}
+    for t in tasks:
+        h[OP_NAMES[t.op]] = h.get(OP_NAMES[t.op], 0) + 1
+    return h
+
+
+def _linear_tasks(n: int, t: Tiling) -> int:
+    """Tasks of one Linear with n output columns: blocks of block_n, at most max_linear_tasks."""
+    blocks = math.ceil(n / t.block_n)
+    per = 1 if not t.max_linear_tasks else math.ceil(blocks / t.max_linear_tasks)
+    return math.ceil(blocks / per)
+
+
+def _llama_dims() -> dict[str, int]:
+    c = FAMILIES["llama"]
+    return {"hidden": c["hidden_size"], "hq": c["num_attention_heads"], "hkv": c["num_key_value_heads"],
+            "d": c["head_dim"], "inter": c["intermediate_size"], "vocab": c["vocab_size"],
+            "layers": c["num_hidden_layers"]}
+
+
+def _expected_hist(t: Tiling, mode: str) -> dict[str, int]:
+    m = _llama_dims()
+    lin = (_linear_tasks(m["hq"] * m["d"], t) + 2 * _linear_tasks(m["hkv"] * m["d"], t)
+                           + _linear_tasks(m["hidden"], t)  # q, k, v, o (+ residual)
+                           + _linear_tasks(m["inter"], t) + _linear_tasks(m["hidden"], t))  # gate*up, down
+    if mode == "prefill":
+        attention = m["layers"] * m["hq"] * math.ceil(t.chunk / t.block_t)  # heads x query blocks
+    else:
+        attention = m["layers"] * m["hq"] * t.kv_splits
+    h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t),
+         "cache_append": m["layers"] * m["hkv"], "attention": attention, "argmax": 1}
+    if mode == "decode" and t.kv_splits > 1:
+        h["attn_combine"] = m["layers"] * m["hq"]
+    return h
+
+
+# ---- structure ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", TILINGS)
+def test_task_histogram_follows_model_dims(tiny_lowered: Any, target: str) -> None:
+    p = _program(tiny_lowered, target)
+    for mode in ("prefill", "decode"):
+        assert _hist(p.tables[mode]) == _expected_hist(p.tiling, mode), mode
+    assert p.summary()["tasks_by_op"]["decode"] == _hist(p.tables["decode"])
+    assert p.vocab == _llama_dims()["vocab"]
+
+
+@pytest.mark.parametrize("target", TILINGS)
+def test_tasks_per_projection(tiny_lowered: Any, target: str) -> None:
+    """Each projection is tiled into ceil(blocks / per-task blocks) tasks over its output columns
+    (h100: one 32-column block per task, so the 64-column q projection is 2 tasks), and the tasks
+    cover its columns exactly once."""
+    p = _program(tiny_lowered, target)
+    if target == "h100":
+        assert p.tiling.max_linear_tasks == 0
+    ops: list[tuple[str, int]] = []
+    for n in tiny_lowered.decode.nodes:
+        if n.op == "Linear":
+            ops.append((n.name, int(n.inputs[1].shape[0])))
+        elif n.op == "GatedMLP":
+            ops += [(f"{n.name}.gate_up", int(n.inputs[1].shape[0])), (f"{n.name}.down", int(n.inputs[3].shape[0]))]
+        elif n.op == "LMHead":
+            ops.append(("lm_head", int(n.inputs[1].shape[0])))
+    assert len(ops) == 4 * _llama_dims()["layers"] + 2 * _llama_dims()["layers"] + 1
+    for mode in ("prefill", "decode"):
+        for name, cols in ops:
+            mine = [t for t in p.tables[mode] if t.op == pg.OP_LINEAR and t.label.startswith(f"{name}[")]
+            assert len(mine) == _linear_tasks(cols, p.tiling), (mode, name)
+            covered = sorted((t.a, t.b) for t in mine)
+            assert covered[0][0] == 0 and covered[-1][1] == cols
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False)), (name, covered)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_norms_are_fused_into_linears(lower_model: Any, name: str) -> None:
+    """No task computes a norm: every Linear that reads one recomputes its row statistics."""
+    lowered = lower_model(*MODELS[name])
+    g = lowered.decode
+    norms = {n.name: n for n in g.nodes if n.op in NORM_OPS}
+    assert norms
+    assert not any("norm" in op for op in OP_NAMES)
+    # consumers: the Linear-like nodes whose input is a norm; their first descriptor is the normed one
+    consumers = [u for u in g.nodes if u.op in LINEAR_OPS and u.inputs[0].producer is not None
+                 and u.inputs[0].producer.op in NORM_OPS]
+    assert len(consumers) == sum(len(g.users()[n.output]) for n in norms.values())
+    for target in TILINGS:
+        p = _program(lowered, target)
+        for mode, tasks in p.tables.items():
+            assert not any(t.label.split("[")[0] in norms for t in tasks)
+            linear_descs = sorted({t.desc for t in tasks if t.op == pg.OP_LINEAR})
+            normed = [d for d in linear_descs if p.desc_int[d][10] != pg.NORM_NONE]
+            assert len(normed) == len(consumers), (target, mode)
+            want = pg.NORM_LAYER if name == "gpt2" else pg.NORM_RMS
+            assert all(p.desc_int[d][10] == want for d in normed)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("target", TILINGS)
+def test_every_table_validates(lower_model: Any, name: str, target: str) -> None:
+    p = _program(lower_model(*MODELS[name]), target)
+    validate_program(p)
+    for tasks in p.tables.values():
+        assert all(len(t.waits) <= pg.MAX_WAITS for t in tasks)
+
+
+def test_split_kv_for_long_contexts(lower_model: Any) -> None:
+    """The GPU tiling splits decode attention over the KV cache once max_seq >= 512; one combine
+    task per query head merges a head's splits and depends on exactly those split tasks."""
+    lowered = lower_model(*MODELS["llama"], 1024)
+    m = _llama_dims()
+    p = _program(lowered, "h100")
+    validate_program(p)
+    S = p.tiling.kv_splits
+    assert S >= 2
+    dec = p.tables["decode"]
+    assert _hist(dec) == _expected_hist(p.tiling, "decode")
+    combines = [i for i, t in enumerate(dec) if t.op == pg.OP_ATTN_COMBINE]
+    assert len(combines) == m["layers"] * m["hq"]
+    sig = signalers(dec)
+    for i in combines:
+        t = dec[i]
+        layer = t.label.split(".combine")[0]
+        deps = {j for e, _ in t.waits for j in sig[e]}
+        assert {dec[j].label for j in deps} == {f"{layer}.attention[h{t.a},s{s}]" for s in range(S)}
+    assert not any(t.op == pg.OP_ATTN_COMBINE for t in p.tables["prefill"])
+    for target, seq in (("cpu", 1024), ("h100", 64)):  # no split: the interpreter, or short contexts
+        q = _program(lower_model(*MODELS["llama"], seq), target)
+        assert q.tiling.kv_splits == 1
+        assert "attn_combine" not in _hist(q.tables["decode"])
+
+
+# ---- the validator on hand-built tables ----------------------------------------------------------
+
+def _task(label: str, *, waits: tuple[tuple[int, int], ...] = (), signal: int = -1, target: int = 0,
+          parent: int = -1, reads: tuple[Region, ...] = (), writes: tuple[Region, ...] = ()) -> Task:
+    return Task(pg.OP_LINEAR, 0, waits=list(waits), signal=signal, signal_target=target, parent=parent,
+                reads=list(reads), writes=list(writes), label=label)
+
+
+X, Y = Region("x", 0, 8), Region("y", 0, 8)
+
+
+def _pair() -> tuple[Task, Task]:
+    producer = _task("producer", signal=0, target=1, writes=(X,))
+    consumer = _task("consumer", waits=((0, 1),), reads=(X,), writes=(Y,))
+    return producer, consumer
+
+
+def test_validator_accepts_a_good_table() -> None:
+    validate_tasks(list(_pair()))
+    a = _task("a", signal=0, target=2, parent=2, writes=(Region("x", 0, 4),))  # two groups -> parent
+    b = _task("b", signal=0, target=2, parent=2, writes=(Region("x", 4, 8),))
+    c = _task("c", signal=1, target=1, parent=2, writes=(Region("x", 8, 12),))
+    d = _task("d", waits=((2, 2),), reads=(Region("x", 0, 12),))
+    validate_tasks([a, b, c, d])
+
+
+def test_validator_wait_on_later_task() -> None:
+    producer, consumer = _pair()
+    with pytest.raises(TableError, match=r"task 0 \(consumer\).*producer.*not topological"):
+        validate_tasks([consumer, producer])
+
+
+def test_validator_wrong_target() -> None:
+    producer, consumer = _pair()
+    consumer.waits = [(0, 2)]
+    with pytest.raises(TableError, match=r"\(consumer\) waits for event 0 to reach 2, but it receives 1"):
+        validate_tasks([producer, consumer])
+
+
+def test_validator_group_target_mismatch() -> None:
+    a = _task("a", signal=0, target=3, parent=1, writes=(X,))  # says 3 members, there are 2
+    b = _task("b", signal=0, target=3, parent=1, writes=(Y,))
+    with pytest.raises(TableError, match="group target 3 but 2 tasks"):
+        validate_tasks([a, b])
+
+
+def test_validator_read_without_dependency() -> None:
+    producer, consumer = _pair()
+    consumer.waits = []
+    with pytest.raises(TableError, match=r"task 1 \(consumer\) reads x\[0:8\] written by task 0 \(producer\) "
+                                         "without a dependency"):
+        validate_tasks([producer, consumer])
+
+
+def test_validator_transitive_dependency_covers_a_read() -> None:
+    producer = _task("producer", signal=0, target=1, writes=(X,))
+    middle = _task("middle", waits=((0, 1),), signal=1, target=1, reads=(X,), writes=(Y,))
+    last = _task("last", waits=((1, 1),), reads=(X, Y))  # ordered after x's writer through middle
+    validate_tasks([producer, middle, last])
+    middle.waits, middle.reads = [], []
+    with pytest.raises(TableError, match=r"task 2 \(last\) reads x\[0:8\] written by task 0 \(producer\)"):
+        validate_tasks([producer, middle, last])
+
+
+def test_validator_unordered_writers() -> None:
+    a = _task("writer_a", writes=(Region("x", 0, 8),))
+    b = _task("writer_b", writes=(Region("x", 4, 12),))
+    with pytest.raises(TableError, match=r"\(writer_a\) and 1 \(writer_b\) both write x unordered"):
+        validate_tasks([a, b])
+    validate_tasks([a, _task("writer_c", writes=(Region("x", 8, 12),))])  # disjoint: fine
+    rows = _task("rows", writes=(Region("x", 0, 8, 16, 32),))  # other rows: fine
+    validate_tasks([_task("rows0", writes=(Region("x", 0, 8, 0, 16),)), rows])
+
+
+def test_validator_event_nobody_signals() -> None:
+    producer, consumer = _pair()
+    consumer.waits = [(7, 1)]
+    with pytest.raises(TableError, match=r"\(consumer\) waits on event 7, which no task signals"):
+        validate_tasks([producer, consumer], "decode")
+
+
+def test_validator_too_many_waits() -> None:
+    ps = [_task(f"p{i}", signal=i, target=1, writes=(Region("x", i, i + 1),)) for i in range(pg.MAX_WAITS + 1)]
+    c = _task("greedy", waits=tuple((i, 1) for i in range(pg.MAX_WAITS + 1)), reads=(Region("x", 0, 8),))
+    with pytest.raises(TableError, match=r"\(greedy\) has 4 waits"):
+        validate_tasks([*ps, c])
+
+
+# ---- reorderings over the real tables -------------------------------------------------------------
+
+REAL = [(name, target) for name in MODELS for target in TILINGS]
+
+
+@pytest.fixture(scope="module")
+def real_tables(lower_model: Any) -> dict[tuple[str, str, str], list[Task]]:
+    out = {}
+    for name, target in REAL:
+        p = _program(lower_model(*MODELS[name]), target)
+        for mode, tasks in p.tables.items():
+            out[name, target, mode] = tasks
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from([(n, t, m) for n, t in REAL for m in ("prefill", "decode")]),
+       seed=st.integers(0, 2**32 - 1))
+def test_random_topological_order_validates(real_tables: Any, key: tuple[str, str, str], seed: int) -> None:
+    tasks = real_tables[key]
+    order = random_topological_order(tasks, random.Random(seed))
+    assert sorted(map(id, order)) == sorted(map(id, tasks))
+    validate_tasks(order, key[2])
+
+
+def test_random_topological_order_varies(real_tables: Any) -> None:
+    tasks = real_tables["llama", "h100", "decode"]
+    orders = {tuple(t.label for t in random_topological_order(tasks, random.Random(s))) for s in range(5)}
+    assert len(orders) == 5
+
+
+@pytest.mark.parametrize("target", TILINGS)
+def test_every_wait_guards_a_read(real_tables: Any, target: str) -> None:
+    """Dropping any one wait of a real table leaves one of the task's reads unordered after its
+    writer: the scheduler emits no redundant waits, and the validator sees every missing one."""
+    for mode in ("prefill", "decode"):
+        tasks = real_tables["llama", target, mode]
+        n = 0
+        for i, t in enumerate(tasks):
+            for w in range(len(t.waits)):
+                weakened = drop_wait(tasks, i, w)
+                assert len(tasks[i].waits) == len(weakened[i].waits) + 1  # the input is untouched
+                with pytest.raises(TableError, match=rf"task {i} \({re.escape(t.label)}\) reads .* without a "
+                                                     "dependency"):
+                    validate_tasks(weakened, mode)
+                n += 1
+        assert n >= len(tasks) - 1  # every task but the embedding waits
+
+
+@settings(max_examples=20, deadline=None)
+@given(key=st.sampled_from(REAL), seed=st.integers(0, 2**32 - 1))
+def test_adversarial_order_runs_the_victim_before_its_dropped_producer(real_tables: Any, key: tuple[str, str],
+                                                                         seed: int) -> None:
+    tasks = real_tables[(*key, "decode")]
+    rng = random.Random(seed)
+    i = rng.choice([k for k, t in enumerate(tasks) if t.waits])
+    w = rng.randrange(len(tasks[i].waits))
+    dropped = {j for j in signalers(tasks)[tasks[i].waits[w][0]]}
+    weakened = drop_wait(tasks, i, w)
+    order = adversarial_order(weakened, i)
+    pos = {id(t): k for k, t in enumerate(order)}
+    assert any(pos[id(weakened[j])] > pos[id(weakened[i])] for j in dropped)
+    # still topological for the weakened waits, so only the coverage check can fail
+    with pytest.raises(TableError, match="without a dependency"):
+        validate_tasks(order)
+
+
+def test_reorder_rejects_a_cycle() -> None:
+    a = _task("a", waits=((1, 1),), signal=0, target=1)
+    b = _task("b", waits=((0, 1),), signal=1, target=1)
+    with pytest.raises(ValueError, match="cycle"):
+        random_topological_order([a, b], random.Random(0))
+
+
+def test_write_tables_matches_the_program(tiny_lowered: Any, tmp_path: Any) -> None:
+    from safetensors.numpy import load_file
+
+    p = _program(tiny_lowered, "cpu")
+    dec = random_topological_order(p.tables["decode"], random.Random(1))
+    f = load_file(str(write_tables(tmp_path / "t.safetensors", p, {"decode": dec})))
+    assert np.array_equal(f["tasks"], p.task_table({"prefill": p.tables["prefill"], "decode": dec}))
+    assert f["tasks"].dtype == np.int32
+    assert np.array_equal(f["desc_int"], p.desc_int) and np.array_equal(f["desc_float"], p.desc_float)
