@@ -1,4 +1,5 @@
-"""Compile-time benchmark (CPU): how long `zlc.lower` takes per pipeline stage.
+"""Compile-time benchmark (CPU): how long `zlc.lower` takes per pipeline stage, and how long a whole
+`zlc.compile` takes (lowering, verification, scheduling, weights, AOT cubins, manifest).
 
     python bench/compile_time.py                   # the tiny example model (zoo llama, opset 20)
     python bench/compile_time.py --smollm2         # plus SmolLM2-135M (zoo export, ~540 MB, once)
@@ -9,7 +10,9 @@ stage (the first run also pays one-time imports, so it is reported separately), 
 the peak resident memory of the process. Each model runs in its own process (exports first, so
 exporting does not count). The peer, measured in the same process and run: building an ONNX
 Runtime session with all graph optimizations for the same file (what a user of ORT waits for
-before the first token); the ratio zlc / ORT is printed. Output is markdown, ready for
+before the first token); the ratio zlc / ORT is printed. `zlc.compile` for --targets (default
+a10 and h100) runs once per model after the lowering runs, into a temporary directory; its stage
+times and total are printed with the same peer ratio. Output is markdown, ready for
 docs/performance.md.
 """
 
@@ -58,7 +61,16 @@ def ort_session_time(path: Path, repeat: int) -> float:
     return statistics.median(times[1:])
 
 
-def report(path: Path, repeat: int, max_seq: int) -> list[str]:
+def compile_time(path: Path, targets: list[str], max_seq: int) -> tuple[dict[str, float], dict]:
+    """Stage seconds of one `zlc.compile` into a temporary directory, and its manifest."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        res = zlc.compile(path, targets=targets, out=Path(d) / "b.zlc", max_seq=max_seq)
+        return res.seconds, res.manifest
+
+
+def report(path: Path, repeat: int, max_seq: int, targets: list[str]) -> list[str]:
     first, med, lowered = lower_times(path, repeat, max_seq)
     rss = peak_rss_mb()  # before the peer loads its own copy of the weights
     peer = ort_session_time(path, repeat)
@@ -72,6 +84,16 @@ def report(path: Path, repeat: int, max_seq: int) -> list[str]:
     total = sum(med.values())
     lines += ["", f"nodes {before} → {after}; peak RSS {rss:.0f} MB (zlc, before the peer ran)",
               f"peer: ONNX Runtime optimized session build {peer:.3f} s; zlc lower / ORT = {total / peer:.2f}x", ""]
+    if targets:
+        secs, man = compile_time(path, targets, max_seq)
+        stages = ", ".join(f"{k} {v:.2f} s" for k, v in secs.items() if k != "total")
+        tasks = {k: v["summary"]["tasks"]["decode"] for k, v in man["tilings"].items()}
+        res = "; ".join(f"{t} {man['targets'][t]['arch']}: {man['targets'][t]['resources']['registers']} registers, "
+                        f"spills {man['targets'][t]['resources']['spill_stores']} B" for t in targets
+                        if man["targets"][t].get("resources"))
+        lines += [f"`zlc.compile(targets={targets})`: **{secs['total']:.1f} s** wall ({stages}); "
+                  f"zlc compile / ORT session = **{secs['total'] / peer:.1f}x**",
+                  f"tasks per decode step: {tasks}; {res}", ""]
     return lines
 
 
@@ -85,10 +107,12 @@ def main() -> None:
     ap.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (zoo export)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--targets", default="a10,h100", help="zlc.compile targets, comma-separated ('' skips)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one model
     args = ap.parse_args()
     if args.one:
-        print("\n".join(report(args.models[0], args.repeat, args.max_seq)), flush=True)
+        targets = [t for t in args.targets.split(",") if t]
+        print("\n".join(report(args.models[0], args.repeat, args.max_seq, targets)), flush=True)
         return
     from zlc import zoo
 
@@ -99,7 +123,7 @@ def main() -> None:
           f"{_version('torch')}, onnxruntime {_version('onnxruntime')}\n", flush=True)
     for m in models:
         subprocess.run([sys.executable, __file__, "--one", str(m), "--repeat", str(args.repeat),
-                        "--max-seq", str(args.max_seq)], check=True)
+                        "--max-seq", str(args.max_seq), "--targets", args.targets], check=True)
 
 
 def _version(dist: str) -> str:

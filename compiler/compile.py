@@ -47,10 +47,12 @@ def _stage(progress: Progress | None, stage: str, detail: str = "") -> None:
 def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | None = None,
             dtype: str = "auto", max_seq: int = 2048, tokenizer: str | Path | None = None,
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float = 1e-3,
-            name: str | None = None, progress: Progress | None = None, force: bool = False) -> CompileResult:
+            name: str | None = None, progress: Progress | None = None, force: bool = False,
+            debug_waits: bool = False) -> CompileResult:
     """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
-    (exit code 3) when the lowered model does not match its reference."""
+    (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
+    kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table."""
     from zlc.codegen.emit import ENTRY, render, signature
     from zlc.codegen.schedule import pack_arenas, schedule, tiling_for
     from zlc.codegen.validate import validate_program
@@ -122,7 +124,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
 
         gp = programs["gpu"]
         _stage(progress, "aot", f"{', '.join(t.name for t in gpu_targets)} (ptxas)")
-        results = compile_kernel(tmp / "kernel.py", ENTRY, signature(wdtype), gp.constexprs(),
+        results = compile_kernel(tmp / "kernel.py", ENTRY, signature(wdtype), gp.constexprs(debug=debug_waits),
                                  gpu_targets, num_warps=gp.tiling.num_warps,
                                  on_progress=lambda s: _stage(progress, "aot", s))
         (tmp / "kernels").mkdir()
@@ -163,7 +165,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
                   "ops": lowered.histogram_after},
         "dtype": {"weights": wdtype, "activations": "fp32", "kv_cache": "fp32", "accumulation": "fp32"},
         "kernel": {"source": "kernel.py", "entry": ENTRY, "signature": signature(wdtype),
-                   "params": list(signature(wdtype))},
+                   "params": list(signature(wdtype)), "debug_waits": debug_waits},
         "weights": {"file": "weights.safetensors", "W": {"dtype": wdtype, "elements": decode.w_size},
                     "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
         "tilings": tilings, "targets": target_info, "verification": verification,

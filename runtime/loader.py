@@ -57,7 +57,11 @@ class Bundle:
         info = self.manifest.get("tokenizer") or {}
         return [int(i) for i in info.get("eos_token_ids", [])]
 
-    def session(self, device: str = "cpu", *, debug: bool = False) -> MegakernelSession:
+    def session(self, device: str = "cpu", *, debug: bool | None = None) -> MegakernelSession:
+        """A session on `device`. `debug` (default: as compiled, `--debug-waits`) runs the build
+        whose waits time out into an error instead of hanging."""
+        if debug is None:
+            debug = bool(self.manifest["kernel"].get("debug_waits", False))
         if device == "cpu":
             from .interpret import InterpretBackend
 

