@@ -231,7 +231,7 @@ def _histogram_table(before: dict[str, int], after: dict[str, int]) -> Table:
 def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | None, atol: float,
            seed: int, max_seq: int | None, as_json: bool) -> None:
     """Compare zlc against ONNX Runtime: prefill a prompt, then STEPS decode steps with zlc's KV
-    cache; report logit errors and greedy-token agreement. Exits 0 on pass, 2 beyond tolerance."""
+    cache; report logit errors and greedy-token agreement. Exits 0 on pass, 3 beyond tolerance."""
     with progress(f"verify {model.name}", then="comparing with ONNX Runtime") as p:
         from .verifier import verify as run_verify
 
@@ -539,6 +539,8 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     if model.is_dir():
+        if max_seq is not None:
+            raise click.UsageError("--max-seq is fixed when a bundle is compiled (zlc compile --max-seq)")
         _run_bundle(model, prompt, prompt_ids, raw, max_new_tokens, device, temperature, top_p, seed, eos,
                     as_json)
         return

@@ -100,7 +100,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         prog = schedule(lowered.decode, tiling_for(proto, max_seq), max_seq, model=src_name)
         validate_program(prog)
         programs[key] = prog
-        tilings[key] = _write_tables(tmp, key, prog)
+        tilings[key] = _write_tables(tmp, key, prog, debug_waits)
     secs["schedule"] = time.perf_counter() - t
 
     _stage(progress, "emit", "kernel.py")
@@ -224,7 +224,7 @@ def _verify(model: Any, example_inputs: Any, lowered: Lowered, atol: float) -> d
             "max_abs": err, "summary": f"prefill max abs {err:.3g} (atol {atol})"}
 
 
-def _write_tables(root: Path, key: str, prog: Any) -> dict[str, Any]:
+def _write_tables(root: Path, key: str, prog: Any, debug: bool) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
 
@@ -240,7 +240,7 @@ def _write_tables(root: Path, key: str, prog: Any) -> dict[str, Any]:
     (root / "tables" / f"{key}.json").write_text(json.dumps(readable, indent=0) + "\n")
     lb = prog.buffers[prog.logits]
     return {"tables": f"tables/{key}.safetensors", "readable": f"tables/{key}.json",
-            "constexprs": prog.constexprs(), "grid": prog.tiling.grid, "summary": prog.summary(),
+            "constexprs": prog.constexprs(debug=debug), "grid": prog.tiling.grid, "summary": prog.summary(),
             "layout": {"a_size": prog.a_size, "ctrl_size": prog.ctrl_size(),
                        "counters_size": prog.counters_size(), "chunk": prog.tiling.chunk,
                        "logits": {"offset": lb.offset, "rows": lb.rows, "cols": lb.cols}}}
