@@ -644,7 +644,7 @@ def _assign_pass(ops: list[Op], mode: str, events: _Events,
                     waits[e] = len(members[e])
             else:
                 e = op_event[oi]
-                waits[e] = _target(ops[oi], mode, e, members)
+                waits[e] = _target(ops[oi], mode, e)
         t.waits = list(waits.items())
     _prune_waits(tasks)
     for t in tasks:
@@ -660,7 +660,8 @@ def _find(parent: dict[int, int], x: int) -> int:
     return x
 
 
-def _target(op: Op, mode: str, e: int, members: dict[int, list[Task]]) -> int:
+def _target(op: Op, mode: str, e: int) -> int:
+    """Signals op event `e` receives: one per group when groups report to it, else one per task."""
     ts = op.tasks[mode]
     if any(t.parent == e for t in ts):
         return len({t.signal for t in ts})
@@ -676,9 +677,7 @@ def signalers(tasks: list[Task]) -> dict[int, list[int]]:
     out = dict(by_group)
     for i, t in enumerate(tasks):
         if t.parent >= 0:
-            out.setdefault(t.parent, [])
-            if i not in out[t.parent]:
-                out[t.parent].append(i)
+            out.setdefault(t.parent, []).append(i)
     return out
 
 
