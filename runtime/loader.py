@@ -15,7 +15,7 @@ from zlc.errors import ZlcError
 
 from .megakernel import MegakernelSession
 
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda")
 
 
 class Bundle:
@@ -69,9 +69,14 @@ class Bundle:
             backend = InterpretBackend(self.path, "cpu", debug=debug)
             return MegakernelSession(backend, chunk=int(tiling["layout"]["chunk"]), max_seq=self.max_seq,
                                      vocab=self.vocab)
-        if device in ("cuda", "gpu"):
-            raise ZlcError("device 'cuda': the CUDA executor is not built yet; run with --device cpu "
-                           "(Triton interpreter)")
+        if device in ("cuda", "gpu") or device.startswith("cuda:"):
+            from .cuda import CudaBackend
+
+            index = device.partition(":")[2]
+            if index and not index.isdigit():
+                raise ZlcError(f"bad device '{device}'; use cuda or cuda:N")
+            gpu = CudaBackend(self.path, self.manifest, device=int(index or 0), debug=debug)
+            return MegakernelSession(gpu, chunk=gpu.chunk, max_seq=self.max_seq, vocab=self.vocab)
         raise ZlcError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, device: str = "cpu", *,

@@ -1,0 +1,814 @@
+"""zlc's CUDA executor against PyTorch on one GPU: correctness first, then latency.
+
+Two halves, one file:
+
+    python bench/device_bench.py --prepare            # HERE (CPU-only machine with the zlc venv)
+    python bench/device_bench.py --out "$OUT"         # ON THE DEVICE (bench/device_check.sh)
+
+`--prepare` on a 2-core machine: tiny ~20 s, smollm2-135m ~2.5 min, llama-1b-shape ~4.5 min and
+12 GB peak memory (the fp32 module, lowering, packing); it writes ~4 MB in all.
+
+Why the weights are generated on the device (the simplest honest scheme)
+-------------------------------------------------------------------------
+Only ~64 MiB travel to the device machine, and it cannot reach a package registry or a model hub.
+SmolLM2-135M's bf16 weights are 270 MB (the smallest GGUF of it, Q4_1, is 98 MB) and a model of
+Llama-3.2-1B's shape is 2.5 GB in bf16: neither can be carried. So every model here has RANDOM
+weights with the real models' SHAPES, defined by a plain-torch Llama (`Llama` below) and a seeded
+initialiser (`init_weights`):
+
+- `--prepare` (here) builds each model on the CPU, compiles it with `zlc.compile(module, ...)`
+  (the torch.export frontend; cubin for `h200`), then writes a slim copy of the bundle without
+  `weights.safetensors` into bench/device_inputs/<model>.zlc/ plus `bench_model.json`: the model
+  config, the seed, and a ROLE MAP saying which module parameter (and whether transposed) each
+  entry of the manifest's `weights.placement` holds. The role map is found by value matching
+  against the freshly packed arenas, so it is exact, not guessed from names. Arena entries that are
+  no parameter (rotary tables, folded constants) are carried as `extra.safetensors` (small).
+- on the device the same `Llama` is built and `init_weights` fills it with the same seed on the
+  GPU; the W/P arenas are assembled from its parameters through the role map, and `CudaBackend`
+  receives them directly (`weights=`), skipping the bundle checksums that cover the dropped file.
+  The reference and the baselines run that very module, so all of them see identical weights.
+  The same-seed weights are not equal to the ones the bundle was compiled with here (CPU vs CUDA
+  generators); they need not be: the compiled kernel does not depend on weight values.
+
+What "SmolLM2-135M" means in the table: SmolLM2-135M's architecture (30 layers, hidden 576,
+9 heads / 3 KV heads, MLP 1536, vocab 49152, tied embeddings, rope theta 1e5) with random bf16
+weights. Latency does not depend on weight values; correctness is checked on these models against
+the fp32 reference. "Llama-1B-shape": hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192,
+vocab 128256, tied, rope theta 5e5 without Llama-3's rope scaling.
+
+What is measured (on the device, one GPU, one process)
+------------------------------------------------------
+1. Correctness (before any timing): a 128-token seeded random prompt, prefill + 32 greedy steps.
+   Reference: the module in fp32 (weights rounded to bf16 as zlc stores them, fp32 compute, TF32
+   off). zlc is teacher-forced with the reference's tokens, so every step's logits are compared:
+   `tokens_equal` (zlc's argmax == reference's at every step), the first differing step and the
+   reference's top-1/top-2 margin there, and the max abs logit error.
+2. Latency: TTFT of the 128-token prompt (wall clock from the call until the greedy token is on the
+   host, median of repeats) and per-token decode latency (wall clock per step with the token read
+   back, median and p99 over >= 200 steps after the prompt), for
+   - zlc: `session.step` per token (one launch + one stream sync per token; CTRL in mapped pinned
+     memory), the same with CTRL in device memory (two small copies per step), and `decode_chain`
+     (queued launches with kernel-side auto-advance, one sync for all) plus its CUDA-graph variant;
+   - PyTorch eager in bf16 with a static KV cache;
+   - `torch.compile(mode="reduce-overhead")` (CUDA graphs) of the same step;
+   - ONNX Runtime's CUDA provider: reported as unavailable when the installed onnxruntime lacks it
+     (the device image's onnxruntime is the CPU build).
+3. HBM floor: the bytes one zlc decode step reads (manifest roofline: bf16 weights + f32 KV cache at
+   the mean context of the timed steps) divided by the device-to-device copy bandwidth measured
+   here (bytes read + written / time), and each engine's median / floor.
+
+The device half needs torch, numpy and NVIDIA's `cuda.bindings` (all in the device image), plus
+this repository: zlc is imported from the checkout through a small import shim (no install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+INPUTS = REPO / "bench" / "device_inputs"
+PROMPT_LEN = 128
+DECODE_STEPS = 256  # timed decode steps (>= 200)
+CHECK_STEPS = 32  # teacher-forced steps compared with the fp32 reference
+MAX_SEQ = 512  # PROMPT_LEN + DECODE_STEPS + warm-up fits
+SEED = 1234
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    tied: bool
+    rope_theta: float
+    eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @staticmethod
+    def named(name: str) -> Config:
+        return MODELS[name]
+
+
+MODELS = {c.name: c for c in (
+    Config("tiny", vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, mlp=128, tied=False, rope_theta=10000.0),
+    Config("smollm2-135m", vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, mlp=1536, tied=True,
+           rope_theta=100000.0),
+    Config("llama-1b-shape", vocab=128256, hidden=2048, layers=16, heads=32, kv_heads=8, mlp=8192, tied=True,
+           rope_theta=500000.0),
+)}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        d = c.head_dim
+        self.input_layernorm = RMSNorm(c.hidden, c.eps)
+        self.q_proj = nn.Linear(c.hidden, c.heads * d, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.heads * d, c.hidden, bias=False)
+        self.post_attention_layernorm = RMSNorm(c.hidden, c.eps)
+        self.gate_proj = nn.Linear(c.hidden, c.mlp, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.mlp, bias=False)
+        self.down_proj = nn.Linear(c.mlp, c.hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c, (B, T, _) = self.c, x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(B, T, c.heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = attn.shape
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Stateless (what zlc compiles): HF-style eager attention over the prompt itself."""
+        c = self.c
+        q, k, v = self.qkv(x, cos, sin)
+        rep = c.heads // c.kv_heads
+        B, _, T, D = k.shape
+        k = k[:, :, None].expand(B, c.kv_heads, rep, T, D).reshape(B, c.heads, T, D)
+        v = v[:, :, None].expand(B, c.kv_heads, rep, T, D).reshape(B, c.heads, T, D)
+        w = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(D) + mask
+        w = torch.softmax(w.float(), dim=-1).to(q.dtype)
+        return self.finish(x, torch.matmul(w, v))
+
+
+class Llama(nn.Module):
+    """A minimal Llama: `forward(ids)` is the stateless graph zlc compiles; `run(ids, pos, cache)`
+    is the static-KV-cache step the PyTorch baselines and the fp32 reference use."""
+
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.eps)
+        self.lm_head = None if c.tied else nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.c
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=pos.device).float() / c.head_dim))
+        f = pos.float()[:, None] * inv[None, :]
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        return F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+
+    def blocks(self) -> list[Block]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope(torch.arange(T, device=ids.device), x.dtype)
+        mask = torch.full((T, T), float("-inf"), device=ids.device).triu(1).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.head(x)
+
+    # -- static KV cache (baselines and reference)
+    def new_cache(self, max_seq: int, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.c
+        shape = (c.layers, 1, c.kv_heads, max_seq, c.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """ids [1, T] at positions pos [T] (device tensor): writes the cache, returns [T, vocab]."""
+        c = self.c
+        x = self.embed_tokens(ids)
+        cos, sin = self.rope(pos, x.dtype)
+        S = kc.shape[3]
+        allowed = torch.arange(S, device=ids.device)[None, :] <= pos[:, None]  # [T, S]
+        for i, layer in enumerate(self.blocks()):
+            q, k, v = layer.qkv(x, cos, sin)
+            kc[i].index_copy_(2, pos, k)
+            vc[i].index_copy_(2, pos, v)
+            a = F.scaled_dot_product_attention(q, kc[i], vc[i], attn_mask=allowed, enable_gqa=c.heads != c.kv_heads)
+            x = layer.finish(x, a)
+        return self.head(x)[0]
+
+
+def init_weights(model: Llama, seed: int, device: Any) -> None:
+    """Deterministic random weights: N(0, 0.02) matrices and embedding, norms 1 + N(0, 0.1) (not all
+    ones, so every parameter is distinguishable by value when the role map is built)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            t = torch.empty(p.shape, dtype=torch.float32, device=device)
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                t.normal_(0.0, 0.1, generator=g).add_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=g)
+            p.data = t.to(p.dtype)
+
+
+# ---- zlc from the checkout ---------------------------------------------------------------------------
+
+
+def import_zlc() -> Any:
+    """`import zlc`, or, where the package is not installed (the device machine), the same package
+    mapping pyproject declares (compiler/ -> zlc, runtime/ -> zlc.runtime, ...) set up in memory."""
+    try:
+        import zlc
+
+        return zlc
+    except ImportError:
+        pass
+    spec = importlib.util.spec_from_file_location(
+        "zlc", REPO / "compiler" / "__init__.py",
+        submodule_search_locations=[str(REPO / "compiler"), str(REPO)])  # zlc.ir in compiler/, zlc.runtime at the root
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["zlc"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- --prepare (the CPU machine) ----------------------------------------------------------------------
+
+SLIM_FILES = ("manifest.json", "tables/gpu.safetensors")  # plus the target's cubin
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def role_map(model: Llama, placement: list[dict[str, Any]], W: torch.Tensor,
+             P: torch.Tensor) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """For each placed constant: the module parameter it holds (as is or transposed), found by
+    comparing values with the packed arenas; constants that are no parameter go to `extras`."""
+    probe = 64  # a prefix of each layout's values finds the candidate; a full compare confirms it
+    index: dict[tuple[str, bytes], list[tuple[str, bool]]] = {}
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    for n, p in params.items():
+        for dt in (W.dtype, P.dtype):
+            q = p.to(dt)
+            index.setdefault((str(dt), _raw(q.reshape(-1)[:probe])), []).append((n, False))
+            if q.dim() == 2:
+                index.setdefault((str(dt), _raw(q.t().reshape(-1)[:probe])), []).append((n, True))
+    roles, extras = [], {}
+    for pl in placement:
+        arena = W if pl["arena"] == "W" else P
+        n = math.prod(pl["shape"])
+        got = arena[pl["offset"]:pl["offset"] + n]
+        hit = None
+        for name, tr in index.get((str(arena.dtype), _raw(got[:probe])), []):
+            q = params[name].to(arena.dtype)
+            q = q.t() if tr else q
+            if list(q.shape) == pl["shape"] and torch.equal(q.reshape(-1), got):
+                hit = (name, tr)
+                break
+        role = dict(pl)
+        if hit is None:
+            extras[pl["value"]] = got.clone()
+            role["param"] = None
+        else:
+            role["param"], role["transpose"] = hit
+        roles.append(role)
+    return roles, extras
+
+
+def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    zlc = import_zlc()
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"target": target, "max_seq": max_seq, "seed": SEED, "prompt_len": PROMPT_LEN,
+                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": []}
+    if (out / "index.json").exists():  # keep models prepared earlier with the same settings
+        old = json.loads((out / "index.json").read_text())
+        if all(old.get(k) == index[k] for k in ("target", "max_seq", "seed", "prompt_len")):
+            index["models"] = [m for m in old["models"] if m["name"] not in names and (out / m["dir"]).is_dir()]
+    for name in names:
+        cfg = Config.named(name)
+        t0 = time.perf_counter()
+        model = Llama(cfg)
+        init_weights(model, SEED, "cpu")
+        model.eval()
+        example = (torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(SEED)),)
+        with tempfile.TemporaryDirectory(prefix="zlc-prep-") as tmp:
+            full = Path(tmp) / f"{name}.zlc"
+            res = zlc.compile(model, example_inputs=example, targets=[target], out=full, max_seq=max_seq,
+                              dtype="bf16", name=name, verify=True,
+                              progress=lambda st, d, n=name: print(f"  [{n}] {st}: {d}", flush=True))
+            man = res.manifest
+            w = load_file(str(full / man["weights"]["file"]))
+            roles, extras = role_map(model, man["weights"]["placement"], w["W"], w["P"])
+            missing = [r["value"] for r in roles if r["param"] is None and r["arena"] == "W"]
+            slim = out / f"{name}.zlc"
+            if slim.exists():
+                shutil.rmtree(slim)
+            for rel in (*SLIM_FILES, man["targets"][target]["cubin"]):
+                (slim / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(full / rel, slim / rel)
+        if extras:
+            save_file({k: v.contiguous() for k, v in extras.items()}, str(slim / "extra.safetensors"))
+        info = {"config": asdict(cfg), "seed": SEED, "target": target, "roles": roles,
+                "extras": sorted(extras), "verification": man["verification"],
+                "roofline": man["targets"][target]["roofline"], "compile_seconds": man["compile_seconds"]}
+        (slim / "bench_model.json").write_text(json.dumps(info, indent=1) + "\n")
+        size = sum(p.stat().st_size for p in slim.rglob("*") if p.is_file())
+        index["models"].append({"name": name, "dir": slim.name, "bytes": size})
+        index["models"].sort(key=lambda m: list(MODELS).index(m["name"]))
+        print(f"{name}: {len(roles)} constants, {len(roles) - len(extras)} parameters, extras "
+              f"{sorted(extras)} (W entries without a parameter: {missing or 'none'}); "
+              f"{size / 1e6:.2f} MB carried; {time.perf_counter() - t0:.0f} s", flush=True)
+        del model, w
+        (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    total = sum(m["bytes"] for m in index["models"])
+    print(f"wrote {out} ({total / 1e6:.2f} MB): carry it to the device (run's carry: ['bench/device_inputs'])")
+
+
+# ---- the device half ------------------------------------------------------------------------------------
+
+WARM_STEPS = 8
+TTFT_REPS = 10
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        dst.copy_(src)
+    b.record()
+    b.synchronize()
+    sec = a.elapsed_time(b) / 1e3 / reps
+    del src, dst
+    return 2 * nbytes / sec
+
+
+class Stepper(nn.Module):
+    """The model with its static KV cache as buffers (static addresses for CUDA graphs)."""
+
+    kc: torch.Tensor
+    vc: torch.Tensor
+
+    def __init__(self, model: Llama, max_seq: int, dtype: torch.dtype, dev: torch.device):
+        super().__init__()
+        self.model = model
+        kc, vc = model.new_cache(max_seq, dtype, dev)
+        self.register_buffer("kc", kc)
+        self.register_buffer("vc", vc)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model.run(ids, pos, self.kc, self.vc)[-1]
+
+
+@dataclass
+class Loaded:
+    cfg: Config
+    info: dict[str, Any]
+    manifest: dict[str, Any]
+    ref: Llama  # fp32, weights rounded to bf16
+    base: Llama  # the same weights in bf16 (the PyTorch baselines)
+    sess: Any  # MegakernelSession over CudaBackend
+    seconds: float
+    slim: Path
+    host: dict[str, Any]  # the W/P arenas as host arrays (a second backend reuses them)
+
+
+def build_models(cfg: Config, seed: int, dev: torch.device) -> tuple[Llama, Llama]:
+    """(fp32 reference, bf16 copy) with the seeded weights rounded to bf16, as zlc stores them."""
+    import copy
+
+    with torch.device(dev):
+        ref = Llama(cfg)
+    init_weights(ref, seed, dev)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
+    ref.eval()
+    return ref, copy.deepcopy(ref).to(torch.bfloat16).eval()
+
+
+def assemble_arenas(slim: Path, info: dict[str, Any], manifest: dict[str, Any], ref: Llama,
+                    dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W (bf16) and P (f32) arenas from the module's parameters through the role map, plus the
+    carried extras (rotary tables); every element must be written exactly once."""
+    import numpy as np
+
+    from zlc.runtime.cuda import read_safetensors
+
+    W = torch.zeros(int(manifest["weights"]["W"]["elements"]), dtype=torch.bfloat16, device=dev)
+    P = torch.zeros(int(manifest["weights"]["P"]["elements"]), dtype=torch.float32, device=dev)
+    params = dict(ref.named_parameters())
+    extras: dict[str, torch.Tensor] = {}
+    if (slim / "extra.safetensors").exists():
+        for k, (dt, arr) in read_safetensors(slim / "extra.safetensors").items():
+            t = torch.from_numpy(np.array(arr))
+            extras[k] = t.view(torch.bfloat16) if dt == "BF16" else t
+    covered = {"W": 0, "P": 0}
+    with torch.no_grad():
+        for r in info["roles"]:
+            arena = W if r["arena"] == "W" else P
+            n = math.prod(r["shape"])
+            if r["param"] is not None:
+                t = params[r["param"]]
+                t = t.t() if r["transpose"] else t
+            else:
+                t = extras[r["value"]].reshape(r["shape"])  # carried flat, as sliced from the arena
+            if list(t.shape) != list(r["shape"]):
+                raise RuntimeError(f"{slim.name}: {r['value']} is {list(t.shape)}, the placement says {r['shape']}")
+            arena[r["offset"]:r["offset"] + n] = t.reshape(-1).to(device=dev, dtype=arena.dtype)
+            covered[r["arena"]] += n
+    for k, arena in (("W", W), ("P", P)):
+        if covered[k] != arena.numel():
+            raise RuntimeError(f"{slim.name}: the role map covers {covered[k]} of {arena.numel()} {k} elements")
+    return W, P
+
+
+def load_model(slim: Path, dev: torch.device) -> Loaded:
+    t0 = time.perf_counter()
+    info = json.loads((slim / "bench_model.json").read_text())
+    manifest = json.loads((slim / "manifest.json").read_text())  # no checksums: weights.safetensors was dropped
+    cfg = Config(**info["config"])
+    ref, base = build_models(cfg, int(info["seed"]), dev)
+    W, P = assemble_arenas(slim, info, manifest, ref, dev)
+    host = {"W": W.view(torch.int16).cpu().numpy(), "P": P.cpu().numpy()}
+    del W, P
+    sess = zlc_session(slim, manifest, host, dev, ctrl="mapped")
+    torch.cuda.synchronize()
+    return Loaded(cfg, info, manifest, ref, base, sess, time.perf_counter() - t0, slim, host)
+
+
+def zlc_session(slim: Path, manifest: dict[str, Any], host: dict[str, Any], dev: torch.device, ctrl: str) -> Any:
+    from zlc.runtime.cuda import CudaBackend
+    from zlc.runtime.megakernel import MegakernelSession
+
+    backend = CudaBackend(slim, manifest, device=dev.index or 0, weights=host, ctrl=ctrl)
+    return MegakernelSession(backend, chunk=backend.chunk, max_seq=int(manifest["model"]["max_seq"]),
+                             vocab=int(manifest["model"]["vocab"]))
+
+
+@torch.no_grad()
+def check_correctness(m: Loaded, prompt: list[int], steps: int, dev: torch.device) -> dict[str, Any]:
+    """Teacher-forced: both see the reference's greedy tokens; every step's logits are compared."""
+    kc, vc = m.ref.new_cache(int(m.manifest["model"]["max_seq"]), torch.float32, dev)
+    ref_lg = m.ref.run(torch.tensor([prompt], device=dev), torch.arange(len(prompt), device=dev), kc, vc)[-1]
+    m.sess.reset()
+    tok, lg = m.sess.prefill(prompt, want_logits=True)
+    rows = [(ref_lg.float().cpu(), torch.from_numpy(lg[-1]), tok)]
+    for s in range(steps):
+        t = int(ref_lg.argmax())
+        pos = torch.tensor([len(prompt) + s], device=dev)
+        ref_lg = m.ref.run(torch.tensor([[t]], device=dev), pos, kc, vc)[-1]
+        tok, lg = m.sess.step(t, want_logits=True)
+        rows.append((ref_lg.float().cpu(), torch.from_numpy(lg[-1]), tok))
+    max_abs, max_ref, first_diff, margin, self_argmax = 0.0, 0.0, None, None, True
+    for i, (r, z, tok) in enumerate(rows):
+        max_abs = max(max_abs, float((r - z).abs().max()))
+        max_ref = max(max_ref, float(r.abs().max()))
+        self_argmax &= int(z.argmax()) == tok
+        if first_diff is None and int(r.argmax()) != tok:
+            top = r.topk(2).values
+            first_diff, margin = i, float(top[0] - top[1])
+    return {"steps": len(rows), "tokens_equal": first_diff is None, "first_diff": first_diff,
+            "ref_margin_at_diff": margin, "max_abs": max_abs, "max_abs_ref": max_ref,
+            "kernel_argmax_matches_its_logits": self_argmax}
+
+
+def time_zlc(sess: Any, prompt: list[int], n: int, chain: bool = True) -> dict[str, Any]:
+    be = sess.backend
+    for _ in range(3):
+        sess.reset()
+        sess.prefill(prompt)
+    ttft = []
+    for _ in range(TTFT_REPS):
+        sess.reset()
+        t = time.perf_counter()
+        sess.prefill(prompt)
+        ttft.append(time.perf_counter() - t)
+    sess.reset()
+    tok, _ = sess.prefill(prompt)
+    first = tok
+    stepped = []
+    for _ in range(WARM_STEPS):
+        tok, _ = sess.step(tok)
+        stepped.append(tok)
+    lat = []
+    for _ in range(n):
+        t = time.perf_counter()
+        tok, _ = sess.step(tok)
+        lat.append(time.perf_counter() - t)
+        stepped.append(tok)
+    out: dict[str, Any] = {"ttft": ttft, "decode": lat, "tokens": stepped}
+    if not chain:
+        return out
+    total = WARM_STEPS + n
+    t = time.perf_counter()
+    chain = be.decode_chain(first, len(prompt), total)
+    out["chain_per_token"] = (time.perf_counter() - t) / total
+    be.decode_chain(first, len(prompt), total, graph=True)  # capture + first replay
+    t = time.perf_counter()
+    graph = be.decode_chain(first, len(prompt), total, graph=True)
+    out["graph_per_token"] = (time.perf_counter() - t) / total
+    out["chain_tokens_equal"] = chain == stepped and graph == stepped
+    return out
+
+
+def time_torch(fn: Any, prompt: list[int], n: int, dev: torch.device, graphs: bool) -> dict[str, Any]:
+    """Greedy with the token read back to the host every step (what zlc's step does)."""
+    mark = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
+    ids = torch.tensor([prompt], device=dev)
+    pos = torch.arange(len(prompt), device=dev)
+    one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    p1 = torch.zeros(1, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for _ in range(3):  # warm-up (and, compiled, the compiles and graph captures)
+            mark()
+            tok = int(fn(ids, pos).argmax())
+            for i in range(3):
+                one.fill_(tok)
+                p1.fill_(len(prompt) + i)
+                mark()
+                tok = int(fn(one, p1).argmax())
+        warm = time.perf_counter() - t0
+        ttft = []
+        for _ in range(TTFT_REPS):
+            t = time.perf_counter()
+            mark()
+            tok = int(fn(ids, pos).argmax())
+            ttft.append(time.perf_counter() - t)
+        lat, toks = [], []
+        for i in range(WARM_STEPS + n):
+            t = time.perf_counter()
+            one.fill_(tok)
+            p1.fill_(len(prompt) + i)
+            mark()
+            tok = int(fn(one, p1).argmax())
+            if i >= WARM_STEPS:
+                lat.append(time.perf_counter() - t)
+            toks.append(tok)
+    return {"ttft": ttft, "decode": lat, "tokens": toks, "warmup_seconds": warm}
+
+
+def ort_status() -> str:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "onnxruntime is not installed"
+    provs = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in provs:
+        return f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (has {', '.join(provs)})"
+    return (f"onnxruntime {ort.__version__} has the CUDA provider, but this script builds no KV-cache "
+            "ONNX model for it: not measured")
+
+
+def summarize(r: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    if r.get("ttft"):
+        s["ttft_ms"] = statistics.median(r["ttft"]) * 1e3
+    if r.get("decode"):
+        s["decode_us_median"] = statistics.median(r["decode"]) * 1e6
+        s["decode_us_p99"] = pct(r["decode"], 99) * 1e6
+        s["decode_us_mean"] = statistics.fmean(r["decode"]) * 1e6
+        s["steps"] = len(r["decode"])
+    return s
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def write_report(out: Path, res: dict[str, Any]) -> str:
+    lines = [f"# zlc on {res['env'].get('gpu', '?')}", ""]
+    env = res["env"]
+    lines += [f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {env.get('sms')} SMs, "
+              f"copy bandwidth {env.get('copy_gbs', 0):.0f} GB/s (read+write), "
+              f"prompt {PROMPT_LEN} tokens, {DECODE_STEPS} timed decode steps after {WARM_STEPS} warm-up", ""]
+    lines += ["## Correctness (fp32 reference, teacher-forced)", "",
+              "| model | steps | greedy tokens equal | first diff (ref margin) | max abs logit err | max abs logit | kernel argmax = its logits |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in res["models"].items():
+        c = m.get("correctness")
+        if c is None:
+            lines.append(f"| {name} | - | {m.get('error', 'not run')} | | | | |")
+            continue
+        diff = "-" if c["first_diff"] is None else f"{c['first_diff']} ({c['ref_margin_at_diff']:.3g})"
+        lines.append(f"| {name} | {c['steps']} | {'yes' if c['tokens_equal'] else 'NO'} | {diff} | "
+                     f"{c['max_abs']:.3g} | {c['max_abs_ref']:.3g} | {c['kernel_argmax_matches_its_logits']} |")
+    lines += ["", "## Latency", "",
+              "| model | engine | TTFT ms (median) | decode µs median | p99 | mean | HBM floor µs | median / floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, m in res["models"].items():
+        floor = m.get("floor_us")
+        for eng, e in m.get("engines", {}).items():
+            if "skipped" in e:
+                lines.append(f"| {name} | {eng} | {e['skipped']} | | | | | |")
+                continue
+            med = e.get("decode_us_median") or e.get("per_token_us")
+            ratio = f"{med / floor:.2f}" if med and floor else "-"
+            lines.append(f"| {name} | {eng} | {_fmt(e.get('ttft_ms'), '.3f')} | {_fmt(med, '.1f')} | "
+                         f"{_fmt(e.get('decode_us_p99'), '.1f')} | {_fmt(e.get('decode_us_mean', med), '.1f')} | "
+                         f"{_fmt(floor, '.1f')} | {ratio} |")
+    lines += ["", f"ONNX Runtime: {res.get('ort')}", ""]
+    lines += ["HBM floor: bytes one zlc decode step reads (bf16 weights + f32 KV cache at the mean context of "
+              "the timed steps, from the manifest's roofline) / measured copy bandwidth. zlc chain/graph: "
+              "per-token mean of queued launches with one sync (no per-step median).", ""]
+    for name, m in res["models"].items():
+        if m.get("notes"):
+            lines += [f"- {name}: " + "; ".join(m["notes"])]
+    text = "\n".join(lines) + "\n"
+    (out / "device_bench.md").write_text(text)
+    (out / "device_bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return text
+
+
+def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | None, device: str = "cuda:0") -> int:
+    start = time.perf_counter()
+
+    def left() -> float:
+        return budget_s - (time.perf_counter() - start)
+
+    import_zlc()
+    out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    dev = torch.device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    prop = torch.cuda.get_device_properties(dev)
+    index = json.loads((inputs / "index.json").read_text())
+    names = [m["name"] for m in index["models"] if models is None or m["name"] in models]
+    res: dict[str, Any] = {"env": {"gpu": prop.name, "sms": prop.multi_processor_count, "torch": torch.__version__,
+                                   "cuda": torch.version.cuda, "cc": f"{prop.major}.{prop.minor}"},
+                           "models": {n: {"engines": {}, "notes": []} for n in names}, "ort": ort_status()}
+    bw = copy_bandwidth(dev)
+    res["env"]["copy_gbs"] = bw / 1e9
+    print(f"{prop.name}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    g = torch.Generator().manual_seed(SEED)
+    loaded: dict[str, Loaded] = {}
+    prompts: dict[str, list[int]] = {}
+
+    # phase 1: load + correctness, every model (a failure here skips that model's timings)
+    for name in names:
+        r = res["models"][name]
+        try:
+            m = load_model(inputs / f"{name}.zlc", dev)
+            loaded[name] = m
+            prompts[name] = torch.randint(0, m.cfg.vocab, (PROMPT_LEN,), generator=g).tolist()
+            r["load_seconds"] = m.seconds
+            r["correctness"] = check_correctness(m, prompts[name], CHECK_STEPS, dev)
+            rf = m.info["roofline"]
+            ctx = PROMPT_LEN + WARM_STEPS + DECODE_STEPS / 2
+            r["step_bytes"] = rf["weight_bytes"] + rf["kv_bytes_per_token"] * ctx
+            r["floor_us"] = r["step_bytes"] / bw * 1e6
+            print(f"{name}: loaded in {m.seconds:.1f} s; {r['correctness']}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the other models still run
+            r["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{name}: FAILED {r['error']}", flush=True)
+    write_report(out, res)
+
+    # phase 2: zlc latency; phase 3: PyTorch eager; phase 4: torch.compile (CUDA graphs)
+    for name, m in loaded.items():
+        r = res["models"][name]
+        try:
+            z = time_zlc(m.sess, prompts[name], DECODE_STEPS)
+            r["engines"]["zlc step"] = summarize(z)
+            r["engines"]["zlc chain"] = {"per_token_us": z["chain_per_token"] * 1e6}
+            r["engines"]["zlc graph"] = {"per_token_us": z["graph_per_token"] * 1e6}
+            if not z["chain_tokens_equal"]:
+                r["notes"].append("decode_chain tokens differ from step-by-step tokens")
+            r["zlc_tokens"] = z["tokens"]
+        except Exception as exc:  # noqa: BLE001
+            r["engines"]["zlc step"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+        try:  # CTRL in device memory, copied in and out each launch, instead of mapped host memory
+            s2 = zlc_session(m.slim, m.manifest, m.host, dev, ctrl="device")
+            try:
+                z2 = time_zlc(s2, prompts[name], DECODE_STEPS, chain=False)
+            finally:
+                s2.close()
+            r["engines"]["zlc step (ctrl in device memory)"] = summarize(z2)
+            if r.get("zlc_tokens") and z2["tokens"] != r["zlc_tokens"]:
+                r["notes"].append("ctrl=device tokens differ from ctrl=mapped tokens")
+        except Exception as exc:  # noqa: BLE001
+            r["engines"]["zlc step (ctrl in device memory)"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+        print(f"{name}: zlc {r['engines']}", flush=True)
+    write_report(out, res)
+    for name, m in loaded.items():
+        r = res["models"][name]
+        st = Stepper(m.base, int(m.manifest["model"]["max_seq"]), torch.bfloat16, dev)
+        try:
+            e = time_torch(st, prompts[name], DECODE_STEPS, dev, graphs=False)
+            r["engines"]["torch eager bf16"] = summarize(e)
+            if r.get("zlc_tokens") and e["tokens"] != r["zlc_tokens"]:
+                same = sum(a == b for a, b in zip(e["tokens"], r["zlc_tokens"], strict=False))
+                r["notes"].append(f"eager bf16 greedy tokens differ from zlc's ({same}/{len(e['tokens'])} equal; "
+                                  "bf16 compute vs zlc's fp32)")
+        except Exception as exc:  # noqa: BLE001
+            r["engines"]["torch eager bf16"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+        del st
+        print(f"{name}: eager {r['engines'].get('torch eager bf16')}", flush=True)
+    write_report(out, res)
+    # torch.compile costs a minute or more per model: the largest first, the smoke-test model never
+    for name in sorted((n for n in loaded if n != "tiny"), key=lambda n: -loaded[n].cfg.hidden * loaded[n].cfg.layers):
+        m, r = loaded[name], res["models"][name]
+        if left() < 150:
+            r["engines"]["torch.compile reduce-overhead"] = {"skipped": f"skipped: {left():.0f} s of budget left"}
+            continue
+        try:
+            st = Stepper(m.base, int(m.manifest["model"]["max_seq"]), torch.bfloat16, dev)
+            fn = torch.compile(st, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            e = time_torch(fn, prompts[name], DECODE_STEPS, dev, graphs=True)
+            r["engines"]["torch.compile reduce-overhead"] = summarize(e)
+            r["notes"].append(f"torch.compile warm-up (compiles + captures) {e['warmup_seconds']:.0f} s")
+            del fn, st
+        except Exception as exc:  # noqa: BLE001
+            msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+            r["engines"]["torch.compile reduce-overhead"] = {"skipped": f"failed: {type(exc).__name__}: {msg}"}
+        print(f"{name}: compiled {r['engines'].get('torch.compile reduce-overhead')}", flush=True)
+        write_report(out, res)
+    for m in loaded.values():
+        m.sess.close()
+    res["seconds"] = time.perf_counter() - start
+    print(write_report(out, res), flush=True)
+    ok = all(res["models"][n].get("correctness", {}).get("tokens_equal") for n in names)
+    return 0 if ok else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--prepare", action="store_true", help="compile the bundles here (CPU machine)")
+    ap.add_argument("--models", nargs="*", default=None, help=f"subset of {', '.join(MODELS)}")
+    ap.add_argument("--inputs", type=Path, default=INPUTS)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
+    ap.add_argument("--max-seq", type=int, default=MAX_SEQ)
+    ap.add_argument("--target", default="h200")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="device run: stop optional work after this")
+    a = ap.parse_args()
+    if a.prepare:
+        prepare(a.models or list(MODELS), a.inputs, a.max_seq, a.target)
+        return 0
+    return run_device(a.inputs, a.out, a.budget_s, a.models)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""The `cuda` executor (runtime/cuda.py) without a GPU: target selection, launch configuration and
+parameter packing against a real bundle's manifest, the host side of the launch protocol over a
+fake driver (host memory standing in for the device, a toy kernel standing in for the cubin), and
+the errors a machine without a driver or GPU gets. One test launches the real cubin; it runs only
+where a CUDA GPU is present and compares with the Triton-interpreter executor."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import zlc
+from zlc.codegen import program as pg
+from zlc.errors import ZlcError
+from zlc.runtime import cuda as zc
+from zlc.runtime.megakernel import MegakernelSession
+from zlc.targets import get_target
+
+TARGETS = ["a10", "h100", "a100"]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory, tiny_onnx: Path) -> Path:
+    out = tmp_path_factory.mktemp("cuda") / "tiny.zlc"
+    zlc.compile(tiny_onnx, targets=TARGETS, out=out, max_seq=64)
+    return out
+
+
+@pytest.fixture(scope="module")
+def manifest(bundle: Path) -> dict[str, Any]:
+    return json.loads((bundle / "manifest.json").read_text())
+
+
+def _manifest(**arches: str) -> dict[str, Any]:
+    """A manifest with GPU targets name -> arch (and the cpu target, which has no cubin)."""
+    targets: dict[str, Any] = {"cpu": {"arch": "interpreter", "tiling": "cpu", "grid": 2}}
+    for name, arch in arches.items():
+        targets[name] = {"arch": arch, "tiling": "gpu", "grid": get_target(name).sms,
+                         "cubin": f"kernels/{name}.cubin"}
+    return {"targets": targets}
+
+
+# ---- target selection ---------------------------------------------------------------------------
+
+
+def test_arch_rules() -> None:
+    assert zc.arch_cc("sm_86") == 86 and zc.arch_cc("sm_90a") == 90 and zc.arch_cc("interpreter") is None
+    assert zc.cubin_runs_on("sm_86", 86)
+    assert zc.cubin_runs_on("sm_80", 86) and zc.cubin_runs_on("sm_80", 89)  # newer minor, same major
+    assert not zc.cubin_runs_on("sm_86", 80)  # never an older minor
+    assert not zc.cubin_runs_on("sm_89", 90) and not zc.cubin_runs_on("sm_86", 90)  # never across majors
+    assert zc.cubin_runs_on("sm_90", 90)
+    assert not zc.cubin_runs_on("sm_90", 100)  # Triton builds sm_90a: Hopper only
+    assert not zc.cubin_runs_on("interpreter", 86)
+
+
+def test_select_target_prefers_exact_then_grid(manifest: dict[str, Any]) -> None:
+    assert zc.select_target(manifest, 86) == "a10"
+    assert zc.select_target(manifest, 80) == "a100"
+    assert zc.select_target(manifest, 90) == "h100"
+    assert zc.select_target(manifest, 87) == "a10"  # sm_86 runs on sm_87; exact sm_80 is not preferred
+    assert zc.select_target(manifest, 89, sms=58) == "a10"  # L4: the newest compatible minor
+    m = _manifest(a100="sm_80", a10="sm_86")
+    assert zc.select_target(m, 86) == "a10"
+    m = _manifest(h100="sm_90", h200="sm_90")
+    assert zc.select_target(m, 90, sms=132) in ("h100", "h200")
+    m["targets"]["h200"]["grid"] = 140
+    assert zc.select_target(m, 90, sms=140) == "h200"
+
+
+def test_select_target_error_names_gpu_cubins_and_target() -> None:
+    m = _manifest(a10="sm_86", h100="sm_90")
+    with pytest.raises(zc.CudaError) as e:
+        zc.select_target(m, 80, device_name="NVIDIA A100-SXM4-80GB", sms=108)
+    assert str(e.value) == ("this GPU is sm_80 (NVIDIA A100-SXM4-80GB); the bundle has cubins for sm_86 (a10), "
+                            "sm_90 (h100); recompile with --target a100")
+    with pytest.raises(zc.CudaError, match=r"sm_89 \(NVIDIA L4\).*--target l4"):
+        zc.select_target(_manifest(h100="sm_90"), 89, device_name="NVIDIA L4", sms=58)
+    with pytest.raises(zc.CudaError, match="no GPU cubins .*--target h200"):
+        zc.select_target(_manifest(), 90, sms=132, device_name="NVIDIA H200")
+    with pytest.raises(zc.CudaError, match="no compile target for sm_120"):
+        zc.select_target(_manifest(h100="sm_90"), 120)
+
+
+def test_select_target_error_on_real_bundle(manifest: dict[str, Any]) -> None:
+    with pytest.raises(zc.CudaError) as e:
+        zc.select_target(manifest, 75, device_name="Tesla T4", sms=40)
+    msg = str(e.value)
+    assert msg.startswith("this GPU is sm_75 (Tesla T4); the bundle has cubins for ")
+    assert all(f"{manifest['targets'][t]['arch']} ({t})" in msg for t in TARGETS)
+
+
+# ---- launch configuration and parameters ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_launch_config_matches_manifest(manifest: dict[str, Any], target: str) -> None:
+    t = manifest["targets"][target]
+    md = t["metadata"]
+    cfg = zc.LaunchConfig.from_manifest(manifest, target)
+    assert cfg.function == md["name"] == manifest["kernel"]["entry"]
+    assert cfg.block == 32 * md["num_warps"]
+    assert cfg.shared == md["shared"]
+    assert cfg.needs_shared_opt_in == (md["shared"] > 48 * 1024)
+    assert cfg.grid == t["grid"] == get_target(target).sms
+    assert cfg.cubin == t["cubin"] and cfg.arch == t["arch"]
+    assert cfg.global_scratch == zc.Scratch(md["global_scratch_size"], md["global_scratch_align"])
+    assert cfg.profile_scratch == zc.Scratch(md["profile_scratch_size"], md["profile_scratch_align"])
+    assert [p["name"] for p in cfg.params] == [p["name"] for p in t["params"]]
+    assert zc.LaunchConfig.from_manifest(manifest, target, sms=7).grid == 7  # this GPU's SMs win
+
+
+def test_launch_config_errors(manifest: dict[str, Any]) -> None:
+    with pytest.raises(zc.CudaError, match="no GPU target 'cpu'"):
+        zc.LaunchConfig.from_manifest(manifest, "cpu")
+    with pytest.raises(zc.CudaError, match="no GPU target 'l4'.*a10, h100, a100"):
+        zc.LaunchConfig.from_manifest(manifest, "l4")
+    m = json.loads(json.dumps(manifest))
+    m["targets"]["a10"]["metadata"]["launch_cooperative_grid"] = True
+    with pytest.raises(zc.CudaError, match="cooperative"):
+        zc.LaunchConfig.from_manifest(m, "a10")
+
+
+def test_scratch_sizes() -> None:
+    assert zc.Scratch(0, 1).nbytes(132) == 0  # NULL
+    assert zc.Scratch(256, 128).nbytes(132) == 256 * 132
+    assert zc.align_up(1000, 256) == 1024 and zc.align_up(1024, 256) == 1024 and zc.align_up(5, 1) == 5
+
+
+def _pointers(params: list[dict[str, Any]]) -> dict[str, int]:
+    return {p["name"]: 0 if p.get("hidden") else 0x7F0000000000 + 0x1000 * i for i, p in enumerate(params)}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pack_params_in_manifest_order(manifest: dict[str, Any], target: str) -> None:
+    params = manifest["targets"][target]["params"]
+    names = [p["name"] for p in params]
+    assert names[:8] == manifest["kernel"]["params"] == ["TASKS", "DI", "DF", "CTRL", "CNT", "W", "P", "A"]
+    assert names[8:] == ["global_scratch", "profile_scratch"]
+    assert all(p.get("hidden") for p in params[8:])
+    ptrs = _pointers(params)
+    packed = zc.pack_params(params, dict(reversed(list(ptrs.items()))))  # dict order does not matter
+    assert packed.names == tuple(names) and len(packed) == 10
+    # what cuLaunchKernel reads: void*[10], each pointing at one 8-byte value, in manifest order
+    arr = (ctypes.c_void_p * 10).from_address(packed.address)
+    got = [ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i in range(10)]
+    assert got == [ptrs[n] for n in names]
+    assert packed.as_dict() == ptrs
+
+
+def test_pack_params_errors(manifest: dict[str, Any]) -> None:
+    params = manifest["targets"]["a10"]["params"]
+    ptrs = _pointers(params)
+    with pytest.raises(zc.CudaError, match="missing global_scratch, profile_scratch"):
+        zc.pack_params(params, {k: v for k, v in ptrs.items() if "scratch" not in k})
+    with pytest.raises(zc.CudaError, match="unknown BIAS"):
+        zc.pack_params(params, {**ptrs, "BIAS": 1})
+    with pytest.raises(zc.CudaError, match="missing A; unknown X"):
+        zc.pack_params(params, {**{k: v for k, v in ptrs.items() if k != "A"}, "X": 1})
+    with pytest.raises(zc.CudaError, match="not pointers: N"):
+        zc.pack_params([*params, {"name": "N", "type": "i32"}], {**ptrs, "N": 3})
+    with pytest.raises(zc.CudaError, match="twice"):
+        zc.pack_params([*params, params[0]], ptrs)
+    with pytest.raises(zc.CudaError, match="invalid pointer value for W"):
+        zc.pack_params(params, {**ptrs, "W": -1})
+
+
+def test_read_safetensors_matches_safetensors(bundle: Path) -> None:
+    from safetensors.torch import load_file
+
+    want = load_file(str(bundle / "weights.safetensors"))
+    got = zc.read_safetensors(bundle / "weights.safetensors")
+    assert got["W"][0] == "BF16" and got["P"][0] == "F32"
+    assert np.array_equal(got["W"][1], want["W"].view(__import__("torch").int16).numpy().view(np.uint16))
+    assert np.array_equal(got["P"][1], want["P"].numpy())
+    tab = zc.read_safetensors(bundle / "tables" / "gpu.safetensors")
+    want_t = load_file(str(bundle / "tables" / "gpu.safetensors"))
+    for k in ("tasks", "desc_int", "desc_float"):
+        assert np.array_equal(tab[k][1], want_t[k].numpy())
+    bad = bundle.parent / "bad.safetensors"
+    bad.write_bytes(b"\x01")
+    with pytest.raises(zc.CudaError, match="unreadable safetensors"):
+        zc.read_safetensors(bad)
+
+
+# ---- the host protocol over a fake driver ----------------------------------------------------------
+
+
+class FakeDriver:
+    """Device memory is host memory (so 'device pointers' are real addresses), the stream runs
+    each operation at once, and the 'cubin' is a toy kernel with the megakernel's control-block
+    contract: OUT_TOKEN = f(tokens, past), logits rows written into A, auto-advance in decode."""
+
+    def __init__(self, cc: int = 90, sms: int = 132, name: str = "Fake H100") -> None:
+        self.cc, self.sms, self.name = cc, sms, name
+        self.buffers: dict[int, Any] = {}
+        self.host: dict[int, Any] = {}
+        self.launches: list[dict[str, Any]] = []
+        self.capturing: list[Any] | None = None
+        self.graph_launches = 0
+        self.syncs = 0
+        self.activations = 0
+        self.closed = False
+        self.image = b""
+        self.flag_error = 0
+        self.leave_counters = False
+        self.vocab = 256
+        self.layout: dict[str, Any] = {}
+        self.names: list[str] = []
+
+    def open(self, index: int) -> zc.DeviceInfo:
+        if index != 0:
+            raise zc.CudaError(f"CUDA device {index} does not exist (this machine has 1)")
+        return zc.DeviceInfo(index, self.name, self.cc, self.sms)
+
+    def activate(self) -> None:
+        self.activations += 1
+
+    def load_function(self, image: bytes, name: str, shared: int) -> Any:
+        self.image, self.fn_name, self.fn_shared = image, name, shared
+        return ("fn", name)
+
+    def alloc(self, nbytes: int) -> int:
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        self.buffers[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def free(self, ptr: int) -> None:
+        del self.buffers[ptr]
+
+    def host_alloc(self, nbytes: int, mapped: bool) -> tuple[int, int]:
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        addr = ctypes.addressof(buf)
+        self.host[addr] = buf
+        return addr, addr if mapped else 0
+
+    def host_free(self, addr: int) -> None:
+        del self.host[addr]
+
+    def stream(self) -> Any:
+        return "stream"
+
+    def _op(self, fn: Any, *args: Any) -> None:
+        if self.capturing is not None:
+            self.capturing.append((fn, args))
+        else:
+            fn(*args)
+
+    def htod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        self._op(ctypes.memmove, dst, src, nbytes)
+
+    def dtoh(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
+        self._op(ctypes.memmove, dst, src, nbytes)
+
+    def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._op(ctypes.memmove, dst, src, nbytes)
+
+    def memset(self, dst: int, nbytes: int) -> None:
+        ctypes.memset(dst, 0, nbytes)
+
+    def launch(self, fn: Any, grid: int, block: int, shared: int, stream: Any, params: int) -> None:
+        arr = (ctypes.c_void_p * len(self.names)).from_address(params)
+        ptrs = {n: ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i, n in enumerate(self.names)}
+        self.launches.append({"grid": grid, "block": block, "shared": shared, "ptrs": ptrs})
+        self._op(self._kernel, ptrs)
+
+    def _kernel(self, ptrs: dict[str, int]) -> None:
+        c = np.ctypeslib.as_array((ctypes.c_int32 * (pg.CTRL_TOKENS + 1)).from_address(ptrs["CTRL"]))
+        T, past, mode = int(c[pg.CTRL_T]), int(c[pg.CTRL_PAST]), int(c[pg.CTRL_MODE])
+        toks = np.ctypeslib.as_array((ctypes.c_int32 * T).from_address(ptrs["CTRL"] + 4 * pg.CTRL_TOKENS))
+        lg = self.layout["logits"]
+        rows = np.ctypeslib.as_array((ctypes.c_float * (lg["rows"] * lg["cols"])).from_address(
+            ptrs["A"] + 4 * lg["offset"])).reshape(lg["rows"], lg["cols"])
+        targets = [toy_next(int(toks[r]), past + r, self.vocab) for r in range(T)]
+        for r in range(T):
+            rows[r] = -np.abs(np.arange(lg["cols"]) - targets[r]).astype(np.float32)
+        c[pg.CTRL_OUT_TOKEN] = targets[-1]
+        if self.flag_error:
+            c[pg.CTRL_ERROR] |= self.flag_error
+        if self.leave_counters:
+            ctypes.c_int32.from_address(ptrs["CNT"] + 4 * pg.CNT_EVENTS).value = 3
+        if mode == pg.MODE_DECODE and c[pg.CTRL_AUTO_ADVANCE]:
+            c[pg.CTRL_TOKENS] = c[pg.CTRL_OUT_TOKEN]
+            c[pg.CTRL_PAST] = past + 1
+
+    def sync(self, stream: Any) -> None:
+        self.syncs += 1
+
+    def begin_capture(self, stream: Any) -> None:
+        self.capturing = []
+
+    def end_capture(self, stream: Any) -> Any:
+        ops, self.capturing = self.capturing, None
+        return ops
+
+    def graph_launch(self, graph: Any, stream: Any) -> None:
+        self.graph_launches += 1
+        for fn, args in graph:
+            fn(*args)
+
+    def graph_free(self, graph: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def toy_next(token: int, pos: int, vocab: int) -> int:
+    return (token * 7 + pos * 3 + 1) % vocab
+
+
+def toy_generate(prompt: list[int], n: int, vocab: int) -> list[int]:
+    out, tok = [], toy_next(prompt[-1], len(prompt) - 1, vocab)
+    for i in range(n):
+        out.append(tok)
+        tok = toy_next(tok, len(prompt) + i, vocab)
+    return out
+
+
+def _fake_backend(bundle: Path, manifest: dict[str, Any], *, ctrl: str = "mapped", debug: bool = False,
+                  **kw: Any) -> tuple[zc.CudaBackend, FakeDriver]:
+    drv = FakeDriver(**kw)
+    drv.layout = manifest["tilings"]["gpu"]["layout"]
+    drv.vocab = manifest["model"]["vocab"]
+    target = zc.select_target(manifest, drv.cc, sms=drv.sms)
+    drv.names = [p["name"] for p in manifest["targets"][target]["params"]]
+    return zc.CudaBackend(bundle, manifest, driver=drv, ctrl=ctrl, debug=debug), drv
+
+
+def _bytes(ptr: int, n: int) -> bytes:
+    return ctypes.string_at(ptr, n)
+
+
+def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest: dict[str, Any]) -> None:
+    be, drv = _fake_backend(bundle, manifest, cc=86, sms=80, name="NVIDIA GeForce RTX 3090")
+    try:
+        assert be.config.target == "a10" and be.config.grid == 80  # the device's SM count
+        assert drv.image == (bundle / "kernels" / "a10.cubin").read_bytes()
+        assert drv.fn_name == "zlc_megakernel" and drv.fn_shared == manifest["targets"]["a10"]["metadata"]["shared"]
+        w = zc.read_safetensors(bundle / "weights.safetensors")
+        t = zc.read_safetensors(bundle / "tables" / "gpu.safetensors")
+        p = be.pointers
+        assert _bytes(p["W"], zc.arena_bytes(manifest, "W")) == w["W"][1].tobytes()
+        assert _bytes(p["P"], zc.arena_bytes(manifest, "P")) == w["P"][1].tobytes()
+        for name, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
+            assert _bytes(p[name], t[key][1].nbytes) == t[key][1].tobytes()
+        lay = manifest["tilings"]["gpu"]["layout"]
+        assert _bytes(p["CNT"], 4 * lay["counters_size"]) == bytes(4 * lay["counters_size"])
+        assert p["global_scratch"] == 0 and p["profile_scratch"] == 0
+        assert p["CTRL"] in drv.host  # mapped pinned host memory, not a device buffer
+        assert _bytes(p["A"], 4 * lay["a_size"]) == bytes(4 * lay["a_size"])  # zeroed like the interpreter's
+
+        tok, lg = be.launch(pg.MODE_PREFILL, [5, 6, 7], 0, False, True)
+        assert drv.activations >= 1
+        assert tok == toy_next(7, 2, drv.vocab)
+        assert lg is not None and lg.shape == (1, lay["logits"]["cols"]) and int(lg.argmax()) == tok
+        L = drv.launches[-1]
+        assert (L["grid"], L["block"], L["shared"]) == (80, 32 * 8, manifest["targets"]["a10"]["metadata"]["shared"])
+        assert L["ptrs"] == p
+        c = be.ctrl
+        assert (c[pg.CTRL_MODE], c[pg.CTRL_T], c[pg.CTRL_PAST], c[pg.CTRL_ALL_LOGITS]) == (0, 3, 0, 0)
+        tok2, lg2 = be.launch(pg.MODE_DECODE, [tok], 3, False, False)
+        assert lg2 is None and tok2 == toy_next(tok, 3, drv.vocab)
+        _, all_lg = be.launch(pg.MODE_PREFILL, [1, 2], 4, True, True)
+        assert all_lg is not None and all_lg.shape == (2, lay["logits"]["cols"])
+        assert all_lg.argmax(1).tolist() == [toy_next(1, 4, drv.vocab), toy_next(2, 5, drv.vocab)]
+    finally:
+        be.close()
+    assert drv.closed and not drv.buffers and not drv.host  # everything freed
+
+
+@pytest.mark.parametrize("ctrl", ["mapped", "device"])
+def test_session_and_decode_chain(bundle: Path, manifest: dict[str, Any], ctrl: str) -> None:
+    be, drv = _fake_backend(bundle, manifest, ctrl=ctrl)
+    chunk = manifest["tilings"]["gpu"]["layout"]["chunk"]
+    vocab = manifest["model"]["vocab"]
+    try:
+        if ctrl == "device":
+            assert be.pointers["CTRL"] in drv.buffers
+        sess = MegakernelSession(be, chunk=chunk, max_seq=manifest["model"]["max_seq"], vocab=vocab)
+        prompt = [(3 + 5 * i) % vocab for i in range(40)]
+        n_new = manifest["model"]["max_seq"] - len(prompt)
+        assert sess.generate(prompt, n_new) == toy_generate(prompt, n_new, vocab)
+        # the same tokens from one host synchronisation, queued and as a CUDA graph
+        sess.reset()
+        first, _ = sess.prefill(prompt[:10])
+        syncs = drv.syncs
+        chain = be.decode_chain(first, 10, 20)
+        assert drv.syncs == syncs + 1
+        assert [first, *chain] == toy_generate(prompt[:10], 21, vocab)
+        launches = len(drv.launches)
+        assert be.decode_chain(first, 10, 20, graph=True) == chain
+        assert len(drv.launches) == launches + 20 and drv.graph_launches == 1
+        assert be.decode_chain(first, 10, 20, graph=True) == chain  # replayed, not captured again
+        assert len(drv.launches) == launches + 20 and drv.graph_launches == 2
+        assert be.ctrl[pg.CTRL_AUTO_ADVANCE] == 0
+        # a plain launch after a chain does not auto-advance
+        tok, _ = be.launch(pg.MODE_DECODE, [9], 30, False, False)
+        assert tok == toy_next(9, 30, vocab) and be.ctrl[pg.CTRL_PAST] == 30
+        with pytest.raises(zc.CudaError, match="exceed max_seq"):
+            be.decode_chain(first, 60, 10)
+        with pytest.raises(zc.CudaError, match="takes 1"):
+            be.launch(pg.MODE_PREFILL, list(range(chunk + 1)), 0, False, False)
+    finally:
+        be.close()
+
+
+def test_error_flag_and_counters(bundle: Path, manifest: dict[str, Any]) -> None:
+    be, drv = _fake_backend(bundle, manifest)
+    drv.flag_error = pg.ERROR_WAIT_TIMEOUT
+    with pytest.raises(zc.CudaError, match="error flags 1"):
+        be.launch(pg.MODE_DECODE, [1], 0, False, False)
+    drv.flag_error = 0
+    assert be.ctrl[pg.CTRL_ERROR] == 1
+    be.launch(pg.MODE_DECODE, [1], 0, False, False)  # the host clears ERROR before a launch
+    drv.leave_counters = True
+    be.launch(pg.MODE_DECODE, [1], 0, False, False)  # counters are only read back in debug mode
+    be.close()
+    be, drv = _fake_backend(bundle, manifest, debug=True)
+    drv.leave_counters = True
+    with pytest.raises(zc.CudaError, match="did not reset its counters"):
+        be.launch(pg.MODE_DECODE, [1], 0, False, False)
+    be.close()
+    be.close()  # idempotent
+
+
+def test_weights_override(bundle: Path, manifest: dict[str, Any]) -> None:
+    drv = FakeDriver()
+    drv.names = [p["name"] for p in manifest["targets"]["h100"]["params"]]
+    W = np.arange(manifest["weights"]["W"]["elements"], dtype=np.uint16)
+    P = np.ones(manifest["weights"]["P"]["elements"], dtype=np.float32)
+    be = zc.CudaBackend(bundle, manifest, driver=drv, weights={"W": W, "P": P})
+    assert _bytes(be.pointers["W"], W.nbytes) == W.tobytes()
+    be.close()
+    with pytest.raises(zc.CudaError, match=r"W arena is 2 bytes; the manifest says \d+"):
+        zc.CudaBackend(bundle, manifest, driver=FakeDriver(), weights={"W": W[:1], "P": P})
+    with pytest.raises(zc.CudaError, match="no P arena"):
+        zc.CudaBackend(bundle, manifest, driver=FakeDriver(), weights={"W": W})
+
+
+def test_backend_errors_free_what_they_allocated(bundle: Path, manifest: dict[str, Any]) -> None:
+    drv = FakeDriver(cc=75, sms=40, name="Tesla T4")
+    with pytest.raises(zc.CudaError, match=r"this GPU is sm_75 \(Tesla T4\)"):
+        zc.CudaBackend(bundle, manifest, driver=drv)
+    assert drv.closed and not drv.buffers
+    drv = FakeDriver(cc=86)
+    with pytest.raises(zc.CudaError, match=r"target 'h100' \(sm_90\) does not run on this GPU \(sm_86"):
+        zc.CudaBackend(bundle, manifest, driver=drv, target="h100")
+    with pytest.raises(zc.CudaError, match="device 3 does not exist"):
+        zc.CudaBackend(bundle, manifest, driver=FakeDriver(), device=3)
+    with pytest.raises(zc.CudaError, match="ctrl must be"):
+        zc.CudaBackend(bundle, manifest, driver=FakeDriver(), ctrl="zero-copy")
+
+
+# ---- no driver, no GPU ----------------------------------------------------------------------------
+
+
+def _gpu_present() -> bool:
+    try:
+        drv = zc.CudaDriver()
+        drv.open(0)
+        drv.close()
+        return True
+    except ZlcError:
+        return False
+
+
+HAS_GPU = _gpu_present()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a CUDA GPU")
+def test_session_cuda_without_gpu_is_one_clear_error(bundle: Path) -> None:
+    b = zlc.load(bundle)
+    with pytest.raises(ZlcError) as e:
+        b.session("cuda")
+    assert isinstance(e.value, zc.CudaError)
+    assert "no CUDA driver/GPU" in str(e.value) or "pip install cuda-python" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ZlcError, match="use cuda or cuda:N"):
+        b.session("cuda:x")
+
+
+def test_missing_bindings_say_what_to_install(bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(zc.CudaError, match="pip install cuda-python"):
+        zlc.load(bundle).session("cuda")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a CUDA GPU")
+def test_cli_run_cuda_without_gpu(bundle: Path) -> None:
+    from click.testing import CliRunner
+
+    from zlc import cli
+
+    res = CliRunner().invoke(cli.cli, ["run", str(bundle), "--prompt-ids", "1,2,3", "--device", "cuda",
+                                       "--max-new-tokens", "2"])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    assert "no CUDA driver/GPU" in res.output or "cuda-python" in res.output
+
+
+# ---- on a real GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and driver (cuda-python); none here")
+def test_real_gpu_matches_interpreter(tmp_path: Path, tiny_onnx: Path) -> None:
+    drv = zc.CudaDriver()
+    info = drv.open(0)
+    drv.close()
+    name = zc.suggest_target(info.cc, info.sms, info.name)
+    if name is None:
+        pytest.skip(f"zlc has no compile target for sm_{info.cc} ({info.name})")
+    out = tmp_path / "tiny.zlc"
+    zlc.compile(tiny_onnx, targets=[name], out=out, max_seq=64)
+    b = zlc.load(out)
+    prompt = [3, 14, 15, 92, 65, 35]
+    with b.session("cpu") as s:
+        want = s.generate(prompt, 12)
+        s.reset()
+        _, want_lg = s.prefill(prompt, all_logits=True, want_logits=True)
+    with b.session("cuda") as s:
+        assert s.generate(prompt, 12) == want
+        s.reset()
+        _, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+        assert lg is not None and want_lg is not None
+        assert np.abs(lg - want_lg).max() < 1e-3
+        s.reset()
+        tok, _ = s.prefill(prompt)
+        be = s.backend
+        assert isinstance(be, zc.CudaBackend)
+        assert [tok, *be.decode_chain(tok, len(prompt), 11)] == want
+        assert [tok, *be.decode_chain(tok, len(prompt), 11, graph=True)] == want
+    shutil.rmtree(out)
