@@ -20,6 +20,7 @@ time; that is what makes a lock unnecessary, and nothing checks it.
 
 from __future__ import annotations
 
+import abc
 import enum
 import mmap
 import os
@@ -153,7 +154,7 @@ def _wait(attempt: Callable[[], T | None], timeout_s: float | None) -> T | None:
             return got
 
 
-class _Ring(Generic[T]):
+class _Ring(abc.ABC, Generic[T]):
     """What both rings share: capacity, occupancy, release and the blocking helpers."""
 
     raw: _rings.RequestRing | _rings.ResultRing
@@ -171,11 +172,13 @@ class _Ring(Generic[T]):
         """Let go of the region's memory (then every operation raises ValueError)."""
         self.raw.release()
 
+    @abc.abstractmethod
     def push(self, item: T) -> bool:
-        raise NotImplementedError
+        """Appends `item`; False when the ring is full (nothing written: backpressure)."""
 
+    @abc.abstractmethod
     def pop(self) -> T | None:
-        raise NotImplementedError
+        """The oldest entry, or None when the ring is empty."""
 
     def push_wait(self, item: T, timeout_s: float | None = None) -> bool:
         """push(), waiting for room up to timeout_s (None: forever); False on timeout."""
