@@ -464,8 +464,12 @@ def assemble_arenas(slim: Path, info: dict[str, Any], manifest: dict[str, Any], 
             t = torch.from_numpy(np.array(arr))
             extras[k] = t.view(torch.bfloat16) if dt == "BF16" else t
     covered = {"W": 0, "P": 0}
+    seen: set[tuple[str, int]] = set()
     with torch.no_grad():
         for r in info["roles"]:
+            if (r["arena"], r["offset"]) in seen:  # a tied weight: every name is listed at one offset
+                continue
+            seen.add((r["arena"], r["offset"]))
             arena = W if r["arena"] == "W" else P
             n = math.prod(r["shape"])
             if r["param"] is not None:

@@ -149,6 +149,7 @@ class _Builder:
         self.w_place: dict[Any, int] = {}
         self.p_place: dict[Any, int] = {}
         self.placements: list[dict[str, Any]] = []
+        self.placed_names: set[tuple[str, str]] = set()
         self.di: list[list[int]] = []
         self.df: list[list[float]] = []
         self.desc_labels: list[str] = []
@@ -171,15 +172,20 @@ class _Builder:
         key = _data_key(v)
         table = self.w_place if arena == "W" else self.p_place
         if key in table:
-            return table[key]
-        n = int(v.type.numel() or 0)
-        if arena == "W":
-            off, self.w_size = self.w_size, self.w_size + n + (-n) % 64
+            off = table[key]
         else:
-            off, self.p_size = self.p_size, self.p_size + n + (-n) % 16
-        table[key] = off
-        self.placements.append({"value": v.name, "arena": arena, "offset": off,
-                                "shape": [int(d) for d in v.shape or ()]})
+            n = int(v.type.numel() or 0)
+            if arena == "W":
+                off, self.w_size = self.w_size, self.w_size + n + (-n) % 64
+            else:
+                off, self.p_size = self.p_size, self.p_size + n + (-n) % 16
+            table[key] = off
+        # Every name is listed, tied ones (same data) at the one offset, so each constant of the
+        # bundle's IR resolves (runtime/reference_backend.py rebuilds the graphs from these).
+        if (arena, v.name) not in self.placed_names:
+            self.placed_names.add((arena, v.name))
+            self.placements.append({"value": v.name, "arena": arena, "offset": off,
+                                    "shape": [int(d) for d in v.shape or ()]})
         return off
 
     def w(self, v: Value | None, node: Node) -> int:
@@ -775,7 +781,11 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any
     W = torch.zeros(max(program.w_size, 1), dtype=wdt)
     P = torch.zeros(max(program.p_size, 1), dtype=torch.float32)
     consts = {v.name: v for v in decode.consts.values()}
+    done: set[tuple[str, int]] = set()
     for pl in program.weights:
+        if (pl["arena"], pl["offset"]) in done:  # a tied name: its data is already there
+            continue
+        done.add((pl["arena"], pl["offset"]))
         t = const_tensor(consts[pl["value"]]).reshape(-1)
         arena = W if pl["arena"] == "W" else P
         arena[pl["offset"]:pl["offset"] + t.numel()] = t.to(arena.dtype)

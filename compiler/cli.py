@@ -518,8 +518,10 @@ def _print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None
 @click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
 @click.option("--raw", is_flag=True, help="With --prompt: no chat template, encode the text as is.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Bundles: cpu runs the megakernel in Triton's interpreter.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True,
+              help="Bundles: cpu runs the megakernel in Triton's interpreter (slow, exact); cuda its "
+              "cubin; reference the bundle's IR on its packed weights with torch on the CPU (fast). "
+              "An ONNX MODEL always runs on the reference executor (cpu or reference).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
@@ -547,7 +549,7 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
     if prompt_ids is None:
         raise click.UsageError("--prompt needs a compiled bundle with a tokenizer (zlc compile --tokenizer); "
                                "for an ONNX file use --prompt-ids")
-    if device != "cpu":
+    if device not in ("cpu", "reference"):
         raise click.UsageError("an ONNX MODEL runs on the CPU reference executor; compile it for a GPU")
     need = len(prompt_ids) + max_new_tokens
     if max_seq is not None and need > max_seq:
@@ -634,6 +636,70 @@ def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, ra
     click.echo()
     err.print(f"[dim]{len(out_ids)} tokens on {device}: first after {first or 0:.2f} s, "
               f"{total:.2f} s in all[/]")
+
+
+# ---- zlc serve ------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="BUNDLE")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (elsewhere than loopback: set --api-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="HTTP port (0: any free port, printed at start).")
+@click.option("--api-key", envvar="ZLC_API_KEY", default=None,
+              help="Require this key (x-api-key or Authorization: Bearer). Env: ZLC_API_KEY.")
+@click.option("--model-name", default=None, help="The name clients must send as `model` "
+              "(default: the bundle's model name).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True,
+              help="Executor: cpu = the megakernel in Triton's interpreter, cuda = its cubin, "
+              "reference = the bundle's IR with torch on the CPU.")
+@click.option("--frame-port", type=click.IntRange(0, 65535), default=None,
+              help="Also accept binary token frames over TCP on this port (docs/frames.md).")
+@click.option("--udp-port", type=click.IntRange(0, 65535), default=None,
+              help="Also accept binary token frames over UDP on this port.")
+@click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests waiting for the engine before new ones get an overload error (529 / 429).")
+@click.option("--max-body", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True,
+              help="Largest request body in bytes (413 beyond).")
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a request may take to arrive completely (408 and close beyond).")
+@click.option("--spin-us", type=click.FloatRange(min=0), default=50.0, show_default=True,
+              help="Microseconds the engine polls the request ring before it sleeps (lower wake-up "
+              "latency for a busier core).")
+def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
+          frame_port: int | None, udp_port: int | None, max_queue: int, max_body: int, request_timeout: float,
+          spin_us: float) -> None:
+    """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
+    completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
+    /metrics (Prometheus); binary token frames over TCP/UDP with --frame-port/--udp-port.
+
+    Runs until Ctrl-C / SIGTERM. The engine (one process owning the executor) and this ingress talk
+    through shared-memory rings (docs/serving.md)."""
+    from .runtime.http import HttpLimits
+    from .runtime.server import ServeOptions
+    from .runtime.server import run as run_server
+
+    opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
+                        frame_port=frame_port, udp_port=udp_port, max_queue=max_queue, spin_us=spin_us,
+                        limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout))
+    err = _err()
+    err.print(f"[dim]zlc serve: loading {escape(str(bundle))} on {device}…[/]")
+
+    def announce(server: Any) -> None:
+        a = server.addresses
+        http_host, http_port = a["http"]
+        parts = [f"http://{http_host}:{http_port}"]
+        if "frames_tcp" in a:
+            parts.append(f"frames tcp {a['frames_tcp'][1]}")
+        if "frames_udp" in a:
+            parts.append(f"frames udp {a['frames_udp'][1]}")
+        # one machine-readable line on stdout (scripts and tests wait for it), the rest on stderr
+        click.echo(json.dumps({"event": "listening", "model": server.model, "device": device,
+                               **{k: list(v) for k, v in a.items()}}), nl=True)
+        sys.stdout.flush()
+        err.print(f"zlc serve: {escape(server.model)} on {device}: " + ", ".join(parts))
+
+    run_server(str(bundle), opts, announce)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -85,6 +85,7 @@ import contextlib
 import importlib.metadata
 import inspect
 import io
+import json
 import logging
 import os
 import shutil
@@ -119,6 +120,14 @@ _COMMON: dict[str, Any] = dict(
     eos_token_id=2,
 )
 
+#: Vocabulary of the "llama-chat" family and of :func:`save_chat_tokenizer`'s tokenizer.
+CHAT_VOCAB = 264
+#: ChatML, as SmolLM2 and Qwen use it (no default system prompt).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 #: Tiny Hugging Face decoder configs, ``AutoConfig.for_model(**FAMILIES[name])``.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama", **_COMMON),
@@ -128,6 +137,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": dict(model_type="phi3", original_max_position_embeddings=256, **_COMMON),
     # head_dim would default to 256; tied embeddings, sqrt(hidden) embedding scale, (1 + w) RMSNorm
     "gemma": dict(model_type="gemma", **_COMMON),
+    # the tiny Llama with room for a byte-level chat tokenizer (256 bytes + 3 specials, padded to
+    # 264): what `zlc serve`'s tests talk to through the Anthropic and OpenAI SDKs
+    "llama-chat": dict(model_type="llama", **{**_COMMON, "vocab_size": CHAT_VOCAB}),
     # MHA only (n_head KV heads), learned positions, LayerNorm, Conv1D (Gemm), tied embeddings
     "gpt2": dict(
         model_type="gpt2",
@@ -224,6 +236,43 @@ def save_hf_dir(family: str, out_dir: str | os.PathLike[str], seed: int = 0) -> 
             tokenizer_object=tok, unk_token="<0>", pad_token="<0>", bos_token="<1>", eos_token="<2>"
         ).save_pretrained(out)
     return out
+
+
+def save_chat_tokenizer(out_dir: str | os.PathLike[str]) -> Path:
+    """A byte-level BPE tokenizer without merges (every UTF-8 byte one token, ids 0..255) plus
+    ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (256..258) and a ChatML template, written as a
+    Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json) for the "llama-chat"
+    family: any text round-trips, so a random-weight model's replies decode deterministically."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _BYTE_OF[ch])
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "bos_token": None, "add_bos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte -> printable-character map, inverted (the ByteLevel alphabet's order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_of()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -60,13 +60,15 @@ def synthesize_kv_cache(g: Graph, max_seq: int) -> CachedModel:
     if ids is None or ids.shape is None or len(ids.shape) != 2:
         raise PassError("KV-cache synthesis needs a [batch, seq] token-id input")
     attn = [n for n in g.nodes if n.op == "Attention"]
-    if not attn:
-        raise PassError("KV-cache synthesis found no raised Attention; the model's attention "
-                        "stayed op-level (see `zlc inspect --explain`)")
     bad = _unraised_attention(g)
+    if bad is not None and not attn:
+        raise PassError("KV-cache synthesis found no raised Attention; the model's attention "
+                        f"stayed op-level (node '{bad.name}', {bad.op}; see `zlc inspect --explain`)")
     if bad is not None:
         raise PassError(f"node '{bad.name}' ({bad.op}) looks like attention that was not raised; "
                         "a compiler-owned KV cache would silently skip it")
+    # No attention and nothing that mixes tokens (e.g. embedding -> LM head): a model whose
+    # cache is empty; each position depends on its own token only.
     past_len = g.add_input("past_len", TensorType(DType.i64, ()))
     cache: list[tuple[str, TensorType]] = []
     dropped_inputs: set[int] = set()

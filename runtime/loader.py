@@ -3,6 +3,7 @@
     b = zlc.load("smollm2.zlc")
     new_ids = b.generate([1, 2, 3], max_new_tokens=8)            # greedy, CPU interpreter
     with b.session(device="cpu") as s: s.prefill(ids); s.step(tok)
+    b.generate(ids, 8, device="reference")                       # the bundle's IR in torch (fast CPU)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from zlc.errors import ZlcError
 
 from .megakernel import MegakernelSession
 
-DEVICES = ("cpu", "cuda")
+DEVICES = ("cpu", "cuda", "reference")
 
 
 class Bundle:
@@ -58,8 +59,10 @@ class Bundle:
         return [int(i) for i in info.get("eos_token_ids", [])]
 
     def session(self, device: str = "cpu", *, debug: bool | None = None) -> MegakernelSession:
-        """A session on `device`. `debug` (default: as compiled, `--debug-waits`) runs the build
-        whose waits time out into an error instead of hanging."""
+        """A session on `device`: `cpu` (the megakernel in Triton's interpreter), `cuda[:N]` (its
+        cubin), or `reference` (the bundle's IR on its packed weights, torch on the CPU; fast, but
+        not the kernel). `debug` (default: as compiled, `--debug-waits`) runs the build whose
+        waits time out into an error instead of hanging."""
         if debug is None:
             debug = bool(self.manifest["kernel"].get("debug_waits", False))
         if device == "cpu":
@@ -69,6 +72,13 @@ class Bundle:
             backend = InterpretBackend(self.path, "cpu", debug=debug)
             return MegakernelSession(backend, chunk=int(tiling["layout"]["chunk"]), max_seq=self.max_seq,
                                      vocab=self.vocab)
+        if device == "reference":
+            from .reference_backend import ReferenceBackend
+
+            # One launch per prompt (chunk = max_seq): the graphs have no fixed activation
+            # buffers, and fewer launches is less per-launch Python on a serving path.
+            ref = ReferenceBackend(self.path, self.manifest)
+            return MegakernelSession(ref, chunk=ref.chunk, max_seq=self.max_seq, vocab=self.vocab)
         if device in ("cuda", "gpu") or device.startswith("cuda:"):
             from .cuda import CudaBackend
 

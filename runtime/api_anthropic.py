@@ -1,0 +1,153 @@
+"""The Anthropic Messages API (`POST /v1/messages`): request validation into a GenerationSpec, the
+SSE event sequence, the non-streaming message, and errors as {"type": "error", "error": {...}}.
+
+Streaming: message_start, content_block_start, ping, content_block_delta (text_delta)*,
+content_block_stop, message_delta (stop_reason, usage), message_stop.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import orjson
+
+from .api_common import (
+    ApiError,
+    GenerationSpec,
+    check_model,
+    get_bool,
+    get_float,
+    get_int,
+    get_stops,
+    invalid,
+    text_of,
+)
+
+# Fields that do not change what a text-only model computes: accepted, ignored.
+IGNORED_FIELDS = frozenset({"metadata", "service_tier", "speed", "inference_geo", "diagnostics", "user_profile_id",
+                            "workspace_id", "cache_control"})
+# Fields asking for what zlc does not do: refused with their name (never silently dropped).
+REFUSED_FIELDS = ("tools", "tool_choice", "thinking", "output_config", "container", "top_k")
+KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
+                          "top_p", *IGNORED_FIELDS, *REFUSED_FIELDS})
+STOP_REASON = {"eos": "end_turn", "max_tokens": "max_tokens", "stop_sequence": "stop_sequence"}
+
+
+def parse(body: Any, tokenizer: Any, served_model: str) -> GenerationSpec:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    extra = sorted(set(body) - KNOWN_FIELDS)
+    if extra:
+        raise invalid(f"{extra[0]}: Extra inputs are not permitted", extra[0])
+    check_model(body.get("model"), served_model)
+    max_tokens = get_int(body, "max_tokens", required=True, lo=1)
+    assert max_tokens is not None
+    for unsupported in REFUSED_FIELDS:
+        if body.get(unsupported) not in (None, [], {}):
+            raise invalid(f"{unsupported}: not supported by zlc serve (text generation with temperature/top_p "
+                          "sampling only)", unsupported)
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("metadata: Input should be an object", "metadata")
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages: Field required", "messages")
+    if not isinstance(messages, list):
+        raise invalid("messages: Input should be a valid list", "messages")
+    if not messages:
+        raise invalid("messages: at least one message is required", "messages")
+    chat: list[dict[str, str]] = []
+    system = body.get("system")
+    if system is not None:
+        if isinstance(system, list):
+            system = text_of(system, "system")
+        elif not isinstance(system, str):
+            raise invalid("system: Input should be a string or a list of text blocks", "system")
+        if system:
+            chat.append({"role": "system", "content": system})
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages.{i}: Input should be an object")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise invalid(f"messages.{i}.role: Input should be 'user' or 'assistant'")
+        if "content" not in m:
+            raise invalid(f"messages.{i}.content: Field required")
+        chat.append({"role": role, "content": text_of(m["content"], f"messages.{i}")})
+    if chat[-1]["role"] == "assistant":  # prefill: the reply continues this text
+        head = chat[:-1]
+        ids = (tokenizer.encode(tokenizer.apply_chat_template(head, add_generation_prompt=True), add_special_tokens=False)
+               if head else [])
+        ids += tokenizer.encode(chat[-1]["content"].rstrip(), add_special_tokens=False)
+    else:
+        ids = tokenizer.encode_chat(chat)
+    return GenerationSpec(
+        prompt_ids=ids,
+        max_tokens=max_tokens,
+        stream=get_bool(body, "stream"),
+        # Greedy unless asked: today's Messages API (and its SDK) has no sampling parameters, so a
+        # client that cannot send temperature gets the deterministic reply; older clients (or
+        # extra_body) may still send temperature/top_p.
+        temperature=get_float(body, "temperature", 0.0, 0.0, 1.0),
+        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+        seed=secrets.randbits(63),
+        stop_sequences=get_stops(body.get("stop_sequences"), "stop_sequences", 16),
+    )
+
+
+def error_body(e: ApiError) -> bytes:
+    return orjson.dumps({"type": "error", "error": {"type": e.kind, "message": e.message}})
+
+
+def _sse(event: bytes, data: dict[str, Any]) -> bytes:
+    return b"event: " + event + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def new_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+class Reply:
+    """One reply's wire form; the serving layer feeds it text as tokens arrive."""
+
+    def __init__(self, model: str, input_tokens: int):
+        self.id = new_id()
+        self.model = model
+        self.input_tokens = input_tokens
+
+    # streaming
+    def stream_head(self) -> bytes:
+        msg: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+               "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        return (_sse(b"message_start", {"type": "message_start", "message": msg})
+                + _sse(b"content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+                + _sse(b"ping", {"type": "ping"}))
+
+    @staticmethod
+    def stream_delta(text: str) -> bytes:
+        return _sse(b"content_block_delta", {"type": "content_block_delta", "index": 0,
+                                             "delta": {"type": "text_delta", "text": text}})
+
+    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        return (_sse(b"content_block_stop", {"type": "content_block_stop", "index": 0})
+                + _sse(b"message_delta", {"type": "message_delta",
+                                          "delta": {"stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence},
+                                          "usage": {"output_tokens": output_tokens}})
+                + _sse(b"message_stop", {"type": "message_stop"}))
+
+    @staticmethod
+    def stream_error(e: ApiError) -> bytes:
+        return b"event: error\ndata: " + error_body(e) + b"\n\n"
+
+    # whole message
+    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        return orjson.dumps({
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens},
+        })

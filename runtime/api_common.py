@@ -1,0 +1,137 @@
+"""What the Anthropic and OpenAI front ends share: the validated generation request, API errors,
+and strict field checks (a wrong type names the field instead of failing later)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error answered to the client. ``kind`` is the Anthropic error type; the OpenAI front end
+    maps it to its own shape (see api_openai.error_body)."""
+
+    STATUS = {
+        "invalid_request_error": 400,
+        "authentication_error": 401,
+        "permission_error": 403,
+        "not_found_error": 404,
+        "request_too_large": 413,
+        "rate_limit_error": 429,
+        "api_error": 500,
+        "overloaded_error": 529,
+    }
+
+    def __init__(self, kind: str, message: str, *, status: int | None = None, param: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.status = status if status is not None else self.STATUS[kind]
+        self.param = param
+
+
+@dataclass(slots=True)
+class GenerationSpec:
+    """One validated request, whatever API it came in through."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_sequences: list[str] = field(default_factory=list)
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+    clipped: bool = False  # max_tokens was cut to what fits in the context
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError("invalid_request_error", message, param=param)
+
+
+def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: int | None = None,
+            lo: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        if required:
+            raise invalid(f"{key}: Field required", key)
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(f"{key}: Input should be a valid integer, got {type(v).__name__}", key)
+    if lo is not None and v < lo:
+        raise invalid(f"{key}: Input should be greater than or equal to {lo}", key)
+    return v
+
+
+def get_float(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(f"{key}: Input should be a valid number, got {type(v).__name__}", key)
+    if not lo <= v <= hi:
+        raise invalid(f"{key}: Input should be between {lo} and {hi}", key)
+    return float(v)
+
+
+def get_bool(body: dict[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid(f"{key}: Input should be a valid boolean, got {type(v).__name__}", key)
+    return v
+
+
+def get_stops(v: Any, key: str, limit: int) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid(f"{key}: Input should be a string or a list of strings", key)
+    if len(v) > limit:
+        raise invalid(f"{key}: at most {limit} stop sequences", key)
+    return [s for s in v if s]
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's text: a string, or a list of text blocks ({"type": "text", "text": ...})."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, block in enumerate(content):
+            if not isinstance(block, dict):
+                raise invalid(f"{where}.content.{i}: Input should be an object")
+            kind = block.get("type")
+            if kind != "text":
+                raise invalid(f"{where}.content.{i}: content type {kind!r} is not supported by this model "
+                              "(text only)")
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{where}.content.{i}.text: Input should be a valid string")
+            parts.append(text)
+        return "".join(parts)
+    raise invalid(f"{where}.content: Input should be a string or a list of content blocks")
+
+
+def check_model(model: Any, served: str) -> None:
+    if not isinstance(model, str):
+        raise invalid("model: Field required" if model is None else "model: Input should be a valid string", "model")
+    if model != served:
+        raise ApiError("not_found_error", f"model: {model} (this server serves '{served}')", param="model")
+
+
+def fit_context(spec: GenerationSpec, max_seq: int) -> GenerationSpec:
+    """Refuses a prompt the context cannot hold; clips max_tokens to what fits (the reply then
+    ends with max_tokens / length, as when the limit is reached)."""
+    n = len(spec.prompt_ids)
+    if n == 0:
+        raise invalid("the prompt is empty after applying the chat template")
+    if n > max_seq:
+        raise invalid(f"prompt is too long: {n} tokens > {max_seq} maximum")
+    room = max_seq - n + 1  # the last new token needs no cache row
+    if spec.max_tokens > room:
+        spec.max_tokens, spec.clipped = room, True
+    return spec

@@ -1,0 +1,164 @@
+"""OpenAI's Chat Completions API (`POST /v1/chat/completions`): validation into a GenerationSpec,
+`chat.completion.chunk` SSE events ending in `data: [DONE]` (with a usage chunk when
+`stream_options.include_usage`), the non-streaming completion, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import orjson
+
+from .api_common import (
+    ApiError,
+    GenerationSpec,
+    check_model,
+    get_bool,
+    get_float,
+    get_int,
+    get_stops,
+    invalid,
+    text_of,
+)
+
+# Fields that do not change what a text-only, non-reasoning model computes: accepted, ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                            "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
+                            "parallel_tool_calls"})
+# Asking for what zlc does not do: refused with their name when set (never silently dropped).
+REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+                  "web_search_options", "logit_bias", "moderation", "top_logprobs")
+KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
+                          "stream_options", "temperature", "top_p", "seed", "n", "frequency_penalty",
+                          "presence_penalty", "logprobs", "response_format", "modalities", *IGNORED_FIELDS,
+                          *REFUSED_FIELDS})
+FINISH_REASON = {"eos": "stop", "max_tokens": "length", "stop_sequence": "stop"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Anthropic error type -> (OpenAI type, code)
+_KINDS = {
+    "invalid_request_error": ("invalid_request_error", None),
+    "authentication_error": ("invalid_request_error", "invalid_api_key"),
+    "permission_error": ("invalid_request_error", "permission_denied"),
+    "not_found_error": ("invalid_request_error", "model_not_found"),
+    "request_too_large": ("invalid_request_error", "request_too_large"),
+    "rate_limit_error": ("rate_limit_error", "rate_limit_exceeded"),
+    "api_error": ("server_error", None),
+    "overloaded_error": ("server_error", "overloaded"),
+}
+
+
+def status_of(e: ApiError) -> int:
+    """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""
+    return 429 if e.kind == "overloaded_error" else e.status
+
+
+def parse(body: Any, tokenizer: Any, served_model: str, max_seq: int) -> GenerationSpec:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    extra = sorted(set(body) - KNOWN_FIELDS)
+    if extra:
+        raise invalid(f"Unrecognized request argument supplied: {extra[0]}", extra[0])
+    check_model(body.get("model"), served_model)
+    for unsupported in REFUSED_FIELDS:
+        if body.get(unsupported) not in (None, [], {}, "none"):
+            raise invalid(f"{unsupported}: not supported by zlc serve (text generation only)", unsupported)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        raise invalid("modalities: only [\"text\"] is supported", "modalities")
+    if body.get("logprobs"):
+        raise invalid("logprobs: not supported", "logprobs")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if get_float(body, penalty, 0.0, -2.0, 2.0) != 0.0:
+            raise invalid(f"{penalty}: only 0 is supported", penalty)
+    n = get_int(body, "n", default=1, lo=1)
+    if n != 1:
+        raise invalid("n: only n=1 is supported (batch 1)", "n")
+    max_tokens = get_int(body, "max_completion_tokens", lo=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", lo=1)
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages: Field required", "messages")
+    if not isinstance(messages, list):
+        raise invalid("messages: Input should be a valid list", "messages")
+    if not messages:
+        raise invalid("messages: at least one message is required", "messages")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid(f"messages[{i}]: Input should be an object", "messages")
+        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise invalid(f"messages[{i}].role: {m.get('role')!r} is not supported "
+                          "(system, developer, user, assistant)", "messages")
+        content = m.get("content")
+        if content is None:
+            raise invalid(f"messages[{i}].content: Field required", "messages")
+        chat.append({"role": role, "content": text_of(content, f"messages[{i}]")})
+    ids = tokenizer.encode_chat(chat)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise invalid("stream_options: Input should be an object", "stream_options")
+    seed = get_int(body, "seed")
+    return GenerationSpec(
+        prompt_ids=ids,
+        max_tokens=max_tokens if max_tokens is not None else max(1, max_seq - len(ids) + 1),
+        stream=get_bool(body, "stream"),
+        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+        seed=seed if seed is not None else secrets.randbits(63),
+        stop_sequences=get_stops(body.get("stop"), "stop", 4),
+        include_usage=bool(opts and opts.get("include_usage")),
+    )
+
+
+def error_body(e: ApiError) -> bytes:
+    kind, code = _KINDS.get(e.kind, ("server_error", None))
+    return orjson.dumps({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
+
+
+class Reply:
+    def __init__(self, model: str, input_tokens: int, include_usage: bool = False):
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.model = model
+        self.created = int(time.time())
+        self.input_tokens = input_tokens
+        self.include_usage = include_usage
+        # the constant part of every chunk, serialized once
+        self._prefix = (b'data: {"id":"' + self.id.encode() + b'","object":"chat.completion.chunk","created":'
+                        + str(self.created).encode() + b',"model":' + orjson.dumps(model))
+        self._usage_null = b',"usage":null' if include_usage else b""
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return self._prefix + b',"choices":[' + orjson.dumps(choice) + b"]" + self._usage_null + b"}\n\n"
+
+    def _usage(self, output_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": output_tokens,
+                "total_tokens": self.input_tokens + output_tokens}
+
+    def stream_head(self) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def stream_delta(self, text: str) -> bytes:
+        return self._chunk({"content": text}, None)
+
+    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        out = self._chunk({}, FINISH_REASON[reason])
+        if self.include_usage:
+            out += (self._prefix + b',"choices":[],"usage":' + orjson.dumps(self._usage(output_tokens)) + b"}\n\n")
+        return out + b"data: [DONE]\n\n"
+
+    @staticmethod
+    def stream_error(e: ApiError) -> bytes:
+        return b"data: " + error_body(e) + b"\n\n"
+
+    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        return orjson.dumps({
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": None, "finish_reason": FINISH_REASON[reason]}],
+            "usage": self._usage(output_tokens),
+        })

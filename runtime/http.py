@@ -1,0 +1,292 @@
+"""HTTP/1.1 on asyncio with httptools (the llhttp parser Node.js uses, in C; uvicorn uses it too):
+keep-alive, pipelining (requests on one connection answered in order), chunked streaming for SSE,
+and the limits a public endpoint needs: header size, body size (413), a deadline for a request to
+arrive completely (slowloris: 408 and close), and an idle keep-alive timeout.
+
+The application sees an ``HttpRequest`` and answers through the ``HttpConnection``: ``respond()``
+for a whole body, or ``start_stream()`` / ``send()`` / ``end_stream()`` for a stream. Exactly one
+response per request; the next pipelined request is dispatched when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+
+REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
+           405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Payload Too Large",
+           431: b"Request Header Fields Too Large", 429: b"Too Many Requests", 500: b"Internal Server Error",
+           503: b"Service Unavailable", 529: b"Overloaded"}
+
+
+@dataclass
+class HttpLimits:
+    max_header_bytes: int = 32 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout_s: float = 10.0  # from a request's first byte to its last
+    keepalive_timeout_s: float = 60.0  # idle connection between requests
+    max_pipelined: int = 16  # parsed requests waiting behind an active one before reading pauses
+
+
+@dataclass(slots=True)
+class HttpRequest:
+    method: bytes
+    path: bytes
+    headers: dict[bytes, bytes]  # lower-case names; a repeated header keeps the last value
+    body: bytes
+    keep_alive: bool
+    http10: bool
+    t_ns: int  # time.monotonic_ns() when the request was complete
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. ``handler(request, connection)`` is called once per request."""
+
+    def __init__(self, handler: Callable[[HttpRequest, HttpConnection], None], limits: HttpLimits,
+                 extra_headers: bytes = b"", on_close: Callable[[HttpConnection], None] | None = None):
+        self.handler = handler
+        self.limits = limits
+        self.extra_headers = extra_headers
+        self.on_close = on_close
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.loop = asyncio.get_running_loop()
+        self.queue: collections.deque[HttpRequest] = collections.deque()
+        self.active: HttpRequest | None = None
+        self.streaming = False
+        self.closed = False
+        self.cancel_active: Callable[[], None] | None = None  # set by the app while a reply runs
+        self._timer: asyncio.TimerHandle | None = None
+        self._url = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._in_message = False
+        self._paused = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio subclass)
+        self._arm(self.limits.keepalive_timeout_s, self._idle_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail_and_close(400, b"protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            if not self.closed:
+                self._fail_and_close(400, f"malformed HTTP request: {e}".encode())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm()
+        if self.cancel_active is not None:
+            cancel, self.cancel_active = self.cancel_active, None
+            cancel()
+        if self.on_close is not None:
+            self.on_close(self)
+
+    # -- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        self._url, self._headers, self._header_bytes = b"", {}, 0
+        self._body, self._body_bytes = [], 0
+        if self.active is None and not self.queue:
+            self._arm(self.limits.request_timeout_s, self._request_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_header(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header(len(name) + len(value))
+        self._headers[name.lower()] = value
+
+    def _count_header(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._fail_and_close(431, b"request headers are too large")
+            raise httptools.HttpParserError("headers too large")  # stop parsing this buffer
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self.limits.max_body_bytes:
+            self._fail_and_close(413, f"request body exceeds {self.limits.max_body_bytes} bytes".encode())
+            raise httptools.HttpParserError("body too large")
+        self._body.append(body)
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+            self._fail_and_close(413, f"request body exceeds {self.limits.max_body_bytes} bytes".encode())
+            raise httptools.HttpParserError("body too large")
+
+    def on_message_complete(self) -> None:
+        import time
+
+        self._in_message = False
+        req = HttpRequest(self.parser.get_method(), self._url.split(b"?", 1)[0], self._headers,
+                          b"".join(self._body), self.parser.should_keep_alive(),
+                          self.parser.get_http_version() == "1.0", time.monotonic_ns())
+        if self.active is None:
+            self._disarm()
+            self._dispatch(req)
+        else:
+            self.queue.append(req)
+            if len(self.queue) >= self.limits.max_pipelined and not self._paused and self.transport:
+                self.transport.pause_reading()
+                self._paused = True
+
+    # -- dispatch and responses
+
+    def _dispatch(self, req: HttpRequest) -> None:
+        self.active = req
+        try:
+            self.handler(req, self)
+        except Exception as e:  # a bug in a handler must not kill the connection silently
+            import traceback
+
+            traceback.print_exc()
+            if self.active is req and not self.streaming:
+                self.respond(500, b'{"type":"error","error":{"type":"api_error","message":"internal error: '
+                             + type(e).__name__.encode() + b'"}}')
+
+    def _head(self, status: int, content_type: bytes, keep_alive: bool, length: int | None) -> bytes:
+        h = [b"HTTP/1.1 ", str(status).encode(), b" ", REASONS.get(status, b"Unknown"), b"\r\ncontent-type: ",
+             content_type, b"\r\n", self.extra_headers]
+        if length is not None:
+            h += [b"content-length: ", str(length).encode(), b"\r\n"]
+        if not keep_alive:
+            h.append(b"connection: close\r\n")
+        return b"".join(h)
+
+    def respond(self, status: int, body: bytes, content_type: bytes = b"application/json",
+                headers: bytes = b"") -> None:
+        """The whole response to the active request."""
+        req = self.active
+        if req is None or self.transport is None or self.closed:
+            return
+        keep = req.keep_alive
+        self.transport.write(self._head(status, content_type, keep, len(body)) + headers + b"\r\n" + body)
+        self._finish(keep)
+
+    def start_stream(self, status: int = 200, content_type: bytes = b"text/event-stream",
+                     headers: bytes = b"", first: bytes = b"") -> None:
+        """Starts a streamed response (chunked; close-delimited for HTTP/1.0 clients)."""
+        req = self.active
+        if req is None or self.transport is None or self.closed:
+            return
+        self.streaming = True
+        head = self._head(status, content_type, req.keep_alive and not req.http10, None)
+        head += b"cache-control: no-cache\r\n" + headers
+        head += b"\r\n" if req.http10 else b"transfer-encoding: chunked\r\n\r\n"
+        self.transport.write(head + (self._chunk(first) if first else b""))
+
+    def _chunk(self, data: bytes) -> bytes:
+        assert self.active is not None
+        if self.active.http10:
+            return data
+        return b"%x\r\n%b\r\n" % (len(data), data)
+
+    def send(self, data: bytes) -> None:
+        if self.streaming and self.transport is not None and not self.closed and data:
+            self.transport.write(self._chunk(data))
+
+    def end_stream(self, last: bytes = b"") -> None:
+        req = self.active
+        if not self.streaming or req is None or self.transport is None or self.closed:
+            return
+        out = self._chunk(last) if last else b""
+        if not req.http10:
+            out += b"0\r\n\r\n"
+        self.transport.write(out)
+        self.streaming = False
+        self._finish(req.keep_alive and not req.http10)
+
+    def _finish(self, keep_alive: bool) -> None:
+        self.active = None
+        self.cancel_active = None
+        if not keep_alive:
+            self.close()
+            return
+        if self._paused and self.transport is not None:
+            self.transport.resume_reading()
+            self._paused = False
+        if self.queue:
+            self._dispatch(self.queue.popleft())
+        elif self._in_message:
+            self._arm(self.limits.request_timeout_s, self._request_timeout)
+        else:
+            self._arm(self.limits.keepalive_timeout_s, self._idle_timeout)
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self._disarm()
+            self.transport.close()
+
+    # -- errors and timers
+
+    def _fail_and_close(self, status: int, message: bytes) -> None:
+        """An error for a request that cannot be parsed or accepted; the connection then closes
+        (the stream position is no longer trustworthy)."""
+        if self.closed or self.transport is None:
+            return
+        if self.streaming:  # mid-response: only closing is possible
+            self.close()
+            return
+        kind = {400: b"invalid_request_error", 408: b"timeout_error", 413: b"request_too_large",
+                431: b"request_too_large"}.get(status, b"invalid_request_error")
+        body = b'{"type":"error","error":{"type":"' + kind + b'","message":' + _json_str(message) + b"}}"
+        self.transport.write(self._head(status, b"application/json", False, len(body)) + b"\r\n" + body)
+        self.close()
+
+    def _arm(self, seconds: float, fn: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, fn)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _request_timeout(self) -> None:
+        self._timer = None
+        if self.active is None:
+            self._fail_and_close(408, b"the request did not arrive completely in time")
+
+    def _idle_timeout(self) -> None:
+        self._timer = None
+        if self.active is None and not self._in_message:
+            self.close()
+
+
+def _json_str(message: bytes) -> bytes:
+    import orjson
+
+    return orjson.dumps(message.decode("utf-8", "replace"))
+
+
+def serve_http(loop: asyncio.AbstractEventLoop, handler: Any, host: str, port: int, limits: HttpLimits,
+               extra_headers: bytes = b"", connections: set[HttpConnection] | None = None) -> Any:
+    """``loop.create_server`` for HttpConnection (a coroutine to await)."""
+
+    def factory() -> HttpConnection:
+        conn = HttpConnection(handler, limits, extra_headers,
+                              on_close=(connections.discard if connections is not None else None))
+        if connections is not None:
+            connections.add(conn)
+        return conn
+
+    return loop.create_server(factory, host, port, reuse_address=True, backlog=1024)

@@ -1,0 +1,143 @@
+"""The engine loop in-process over real rings and the bundle's reference executor: FIFO order,
+overload answers, cancellation of waiting and running requests, bad prompts, and a Hypothesis run
+of random submit/cancel/step interleavings against a model of what each request must receive."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zlc.runtime.engine import Engine, EngineError
+from zlc.runtime.rings import Request, RequestFlag, ResultFlag, RingRegion
+
+PROMPTS = [[257, 117, 10, 104, 105, 258, 10], [72, 101, 108, 108, 111], [1, 2, 3], [200, 100, 50, 25]]
+
+
+@pytest.fixture(scope="module")
+def bundle(chat_bundle: Path) -> Any:
+    import zlc
+
+    return zlc.load(chat_bundle)
+
+
+@pytest.fixture(scope="module")
+def session(bundle: Any) -> Any:
+    with bundle.session("reference") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def expected(bundle: Any, session: Any) -> list[list[int]]:
+    return [list(session.stream(p, 5, eos=bundle.eos_token_ids)) for p in PROMPTS]
+
+
+def make(session: Any, bundle: Any, max_queue: int = 8) -> Engine:
+    region = RingRegion.anonymous(16, 256)
+    return Engine(session, region, eos=bundle.eos_token_ids, max_queue=max_queue, spin_us=0)
+
+
+def run_until_idle(engine: Engine) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for _ in range(1000):
+        busy = engine.step()
+        out += [(r, t, f) for r, t, f, _ in engine.region.results.raw.pop_many(1000)]
+        if not busy and engine.running is None and not engine.waiting:
+            return out
+    raise AssertionError("engine did not go idle")
+
+
+def test_fifo_run_to_completion(session: Any, bundle: Any, expected: list[list[int]]) -> None:
+    e = make(session, bundle)
+    for i, p in enumerate(PROMPTS[:3], 1):
+        assert e.region.requests.push(Request(i, p, 5))
+    out = run_until_idle(e)
+    order = [r for r, _, _ in out]
+    assert order == sorted(order)  # request 1's tokens, then 2's, then 3's
+    for i in (1, 2, 3):
+        toks = [t for r, t, _ in out if r == i]
+        flags = [f for r, _, f in out if r == i]
+        assert toks == expected[i - 1]
+        assert flags[-1] & ResultFlag.LAST and not any(f & ResultFlag.LAST for f in flags[:-1])
+    e.region.close()
+
+
+def test_overload_beyond_the_queue(session: Any, bundle: Any) -> None:
+    e = make(session, bundle, max_queue=2)
+    for i in range(1, 6):
+        e.region.requests.push(Request(i, PROMPTS[0], 1))
+    out = run_until_idle(e)
+    overloaded = {r for r, t, f in out if f & ResultFlag.ERROR and t == EngineError.OVERLOADED}
+    assert overloaded == {3, 4, 5}
+    assert {r for r, _, f in out if f & ResultFlag.LAST} == {1, 2, 3, 4, 5}
+    e.region.close()
+
+
+def test_cancel_running_and_waiting(session: Any, bundle: Any) -> None:
+    e = make(session, bundle)
+    e.region.requests.push(Request(1, PROMPTS[1], 50))
+    e.region.requests.push(Request(2, PROMPTS[2], 50))
+    e.step()
+    e.step()  # request 1 has produced two tokens
+    e.region.requests.push(Request(2, [], 0, flags=RequestFlag.CANCEL))
+    e.region.requests.push(Request(1, [], 0, flags=RequestFlag.CANCEL))
+    out = [(r, t, f) for r, t, f, _ in e.region.results.raw.pop_many(100)] + run_until_idle(e)
+    assert [f for r, _, f in out if r == 2] == [ResultFlag.ERROR | ResultFlag.LAST]
+    ones = [(t, f) for r, t, f in out if r == 1]
+    assert len(ones) < 50 and ones[-1] == (EngineError.CANCELLED, ResultFlag.ERROR | ResultFlag.LAST)
+    assert e.running is None and not e.waiting
+    e.region.close()
+
+
+def test_bad_prompt_is_an_error_result(session: Any, bundle: Any) -> None:
+    e = make(session, bundle)
+    e.region.requests.push(Request(1, [bundle.vocab + 5], 3))  # outside the vocabulary
+    e.region.requests.push(Request(2, PROMPTS[0], 1))
+    out = run_until_idle(e)
+    assert (1, EngineError.BAD_REQUEST, ResultFlag.ERROR | ResultFlag.LAST) in out
+    assert [r for r, _, f in out if f & ResultFlag.LAST] == [1, 2]  # and it goes on serving
+    e.region.close()
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 5)),
+    st.tuples(st.just("cancel"), st.integers(1, 8), st.just(0)),
+    st.tuples(st.just("step"), st.just(0), st.just(0)),
+), max_size=14)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=ops)
+def test_random_interleavings(session: Any, bundle: Any, expected: list[list[int]], ops: list[Any]) -> None:
+    e = make(session, bundle, max_queue=3)
+    submitted: dict[int, tuple[int, int]] = {}
+    cancelled: set[int] = set()
+    out: list[tuple[int, int, int]] = []
+    for op, a, b in ops:
+        if op == "submit":
+            rid = len(submitted) + 1
+            submitted[rid] = (a, b)
+            e.region.requests.push(Request(rid, PROMPTS[a], b))
+        elif op == "cancel" and a in submitted:
+            cancelled.add(a)
+            e.region.requests.push(Request(a, [], 0, flags=RequestFlag.CANCEL))
+        else:
+            e.step()
+        out += [(r, t, f) for r, t, f, _ in e.region.results.raw.pop_many(1000)]
+    out += run_until_idle(e)
+    for rid, (p, n) in submitted.items():
+        mine = [(t, f) for r, t, f in out if r == rid]
+        lasts = [i for i, (_, f) in enumerate(mine) if f & ResultFlag.LAST]
+        assert lasts == [len(mine) - 1], (rid, mine)  # exactly one LAST, at the end
+        t_last, f_last = mine[-1]
+        if f_last & ResultFlag.ERROR:
+            assert t_last == EngineError.OVERLOADED or (t_last == EngineError.CANCELLED and rid in cancelled)
+            good = [t for t, _ in mine[:-1]]
+            assert good == expected[p][:len(good)]  # what came before a cancel was right
+        else:
+            assert [t for t, _ in mine] == expected[p][:n][:len(mine)]
+            assert len(mine) == n or mine[-1][1] & ResultFlag.EOS
+    e.region.close()
