@@ -217,3 +217,9 @@ def test_interpreter_executor_equals_zlc_run(start_server: Any, chat_bundle: Pat
         assert "".join(st.text_stream) == expect["text"]
     r = o.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=msgs())
     assert r.choices[0].message.content == expect["text"]
+
+
+def test_warns_when_exposed_without_key(start_server: Any) -> None:
+    s = start_server("--device", "reference", "--host", "0.0.0.0")
+    assert s.host == "0.0.0.0"
+    assert "WARNING: listening on 0.0.0.0 without --api-key" in s.stop()
