@@ -69,6 +69,9 @@ class HttpConnection(asyncio.Protocol):
         self._body_bytes = 0
         self._in_message = False
         self._paused = False
+        self._in_head = False  # between a message's first byte and its headers' end
+        self._head_raw = 0  # bytes received for that head (after the read it began in)
+        self._error_after: tuple[int, bytes] | None = None  # a parse error owed after earlier answers
 
     # -- asyncio.Protocol
 
@@ -79,8 +82,22 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        if self._error_after is not None:
+            return
         try:
-            self.parser.feed_data(data)
+            # httptools buffers a header line until it ends, unseen by on_header: bound the bytes of
+            # a head still arriving here (fed in slices, so a big read is counted to within a slice)
+            step = 16 * 1024
+            for i in range(0, len(data), step):
+                piece = data[i:i + step] if len(data) > step else data
+                self.parser.feed_data(piece)
+                if self._in_head:
+                    self._head_raw += len(piece)
+                    if self._head_raw > 2 * self.limits.max_header_bytes + step:
+                        self._fail_and_close(431, b"request headers are too large")
+                        return
+                if self.closed or self._error_after is not None:
+                    return
         except httptools.HttpParserUpgrade:
             self._fail_and_close(400, b"protocol upgrades are not supported")
         except httptools.HttpParserError as e:
@@ -100,6 +117,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._in_head, self._head_raw = True, 0
         self._url, self._headers, self._header_bytes = b"", {}, 0
         self._body, self._body_bytes = [], 0
         if self.active is None and not self.queue:
@@ -127,6 +145,7 @@ class HttpConnection(asyncio.Protocol):
         self._body.append(body)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         length = self._headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             self._fail_and_close(413, f"request body exceeds {self.limits.max_body_bytes} bytes".encode())
@@ -220,12 +239,16 @@ class HttpConnection(asyncio.Protocol):
         if not keep_alive:
             self.close()
             return
+        if self.queue:
+            self._dispatch(self.queue.popleft())
+            return
+        if self._error_after is not None:
+            self._write_error_and_close(*self._error_after)
+            return
         if self._paused and self.transport is not None:
             self.transport.resume_reading()
             self._paused = False
-        if self.queue:
-            self._dispatch(self.queue.popleft())
-        elif self._in_message:
+        if self._in_message:
             self._arm(self.limits.request_timeout_s, self._request_timeout)
         else:
             self._arm(self.limits.keepalive_timeout_s, self._idle_timeout)
@@ -241,11 +264,18 @@ class HttpConnection(asyncio.Protocol):
     def _fail_and_close(self, status: int, message: bytes) -> None:
         """An error for a request that cannot be parsed or accepted; the connection then closes
         (the stream position is no longer trustworthy)."""
-        if self.closed or self.transport is None:
+        if self.closed or self.transport is None or self._error_after is not None:
             return
-        if self.streaming:  # mid-response: only closing is possible
-            self.close()
+        if self.active is not None:  # answers owed to earlier requests go first; read no more
+            self._error_after = (status, message)
+            if not self._paused:
+                self.transport.pause_reading()
+                self._paused = True
             return
+        self._write_error_and_close(status, message)
+
+    def _write_error_and_close(self, status: int, message: bytes) -> None:
+        assert self.transport is not None
         kind = {400: b"invalid_request_error", 408: b"timeout_error", 413: b"request_too_large",
                 431: b"request_too_large"}.get(status, b"invalid_request_error")
         body = b'{"type":"error","error":{"type":"' + kind + b'","message":' + _json_str(message) + b"}}"

@@ -139,15 +139,15 @@ class HttpReply:
 class FrameReply:
     """One binary-frame request: each result goes straight back as a frame."""
 
-    __slots__ = ("send", "client_id", "rid", "owner")
+    __slots__ = ("send", "client_id", "rid", "owner", "key")
 
-    def __init__(self, send: Any, client_id: int, rid: int, owner: dict[Any, int] | None):
-        self.send, self.client_id, self.rid, self.owner = send, client_id, rid, owner
+    def __init__(self, send: Any, client_id: int, rid: int, owner: dict[Any, int] | None, key: Any = None):
+        self.send, self.client_id, self.rid, self.owner, self.key = send, client_id, rid, owner, key
 
     def on_result(self, token: int, flags: int, t_ns: int) -> None:
         self.send(frames.encode_result(self.client_id, token, flags))
         if flags & ResultFlag.LAST and self.owner is not None:
-            self.owner.pop(self.client_id, None)
+            self.owner.pop(self.key, None)
 
 
 class Server:
@@ -214,11 +214,13 @@ class Server:
         path, method = req.path, req.method
         if path == b"/v1/messages":
             if method != b"POST":
-                return self._error(conn, "anthropic", ApiError("invalid_request_error", "use POST", status=405))
+                return self._error(conn, "anthropic", ApiError("invalid_request_error", "use POST", status=405),
+                                   b"allow: POST\r\n")
             return self._generate(req, conn, "anthropic")
         if path == b"/v1/chat/completions":
             if method != b"POST":
-                return self._error(conn, "openai", ApiError("invalid_request_error", "use POST", status=405))
+                return self._error(conn, "openai", ApiError("invalid_request_error", "use POST", status=405),
+                                   b"allow: POST\r\n")
             return self._generate(req, conn, "openai")
         api = "anthropic" if b"anthropic-version" in req.headers else "openai"
         if path == b"/health":
@@ -231,11 +233,11 @@ class Server:
             return self._models(conn, api, single=path != b"/v1/models")
         return self._error(conn, api, ApiError("not_found_error", f"no route for {method.decode()} {path.decode()}"))
 
-    def _error(self, conn: HttpConnection, api: str, e: ApiError) -> None:
+    def _error(self, conn: HttpConnection, api: str, e: ApiError, headers: bytes = b"") -> None:
         if api == "openai":
-            conn.respond(api_openai.status_of(e), api_openai.error_body(e))
+            conn.respond(api_openai.status_of(e), api_openai.error_body(e), headers=headers)
         else:
-            conn.respond(e.status, api_anthropic.error_body(e))
+            conn.respond(e.status, api_anthropic.error_body(e), headers=headers)
 
     def _authorized(self, req: HttpRequest) -> bool:
         key = self.options.api_key
@@ -331,7 +333,7 @@ class _FrameSubmitter:
             return
         max_tokens = min(header.max_tokens, server.max_seq - n + 1)
         rid = server.engine.new_id()
-        reply = FrameReply(send, header.request_id, rid, None)
+        reply = FrameReply(send, header.request_id, rid, None, key)
         if not server.engine.submit(Request(rid, tokens, max_tokens), reply):
             m.labels(self.name, "overloaded").inc()
             send(frames.encode_result(header.request_id, frames.FrameErrorCode.OVERLOADED,
@@ -354,7 +356,9 @@ class FrameConnection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
-        self.limit = min(server.max_seq, server.engine.region.requests.max_prompt_tokens)
+        # the framing bound (the longest prompt the ring can carry); longer than the context is
+        # answered BAD_REQUEST in submit() instead of closing the connection
+        self.limit = server.engine.region.requests.max_prompt_tokens
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio subclass)
@@ -366,6 +370,7 @@ class FrameConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
+        consumed = False
         while len(buf) >= frames.HEADER_SIZE:
             try:
                 h = frames.parse_header(buf, self.limit)
@@ -377,15 +382,17 @@ class FrameConnection(asyncio.Protocol):
                 break
             tokens = frames.tokens_from(memoryview(buf)[frames.HEADER_SIZE:end])
             del buf[:end]
+            consumed = True
             # client ids are per connection, so the id alone is the key
             self.sub.submit(h, tokens, self._send, h.request_id)
-        self._watch_partial()
+        self._watch_partial(consumed)
 
-    def _watch_partial(self) -> None:
-        if self.timer is not None:
+    def _watch_partial(self, new_frame: bool) -> None:
+        """The deadline runs from a partial frame's first byte: bytes trickling in do not extend it."""
+        if self.timer is not None and (new_frame or not self.buf):
             self.timer.cancel()
             self.timer = None
-        if self.buf:
+        if self.buf and self.timer is None:
             loop = asyncio.get_running_loop()
             self.timer = loop.call_later(self.server.options.frame_timeout_s, self._malformed,
                                          "an incomplete frame timed out (does its n_tokens lie?)")
@@ -414,7 +421,7 @@ class FrameDatagram(asyncio.DatagramProtocol):
         self.server = server
         self.sub = _FrameSubmitter(server, "udp")
         self.transport: asyncio.DatagramTransport | None = None
-        self.limit = min(server.max_seq, frames.MAX_UDP_TOKENS)
+        self.limit = frames.MAX_UDP_TOKENS  # longer than max_seq: BAD_REQUEST in submit()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio subclass)

@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,9 @@ class ServerProcess:
     def __init__(self, bundle: Path, *args: str, startup_s: float = 120.0):
         cmd = [sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--port", "0", "--frame-port", "0",
                "--udp-port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        # stderr to a file, not a pipe: a server logging more than a pipe holds must not block
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr, start_new_session=True)
         self.info = self._wait_listening(startup_s)
         self.host, self.port = self.info["http"]
         self.frame_port = self.info["frames_tcp"][1]
@@ -59,8 +62,8 @@ class ServerProcess:
                 raise TimeoutError(f"zlc serve did not start in {timeout_s} s")
             chunk = os.read(self.proc.stdout.fileno(), 4096)
             if not chunk:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"zlc serve exited: {err}")
+                self.proc.wait(10)
+                raise RuntimeError(f"zlc serve exited: {self._read_stderr()}")
             line += chunk
         return dict(json.loads(line))
 
@@ -80,7 +83,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-        return self.proc.stderr.read().decode() if self.proc.stderr else ""
+        return self._read_stderr()
+
+    def _read_stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
