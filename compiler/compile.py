@@ -153,6 +153,11 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         tok_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
                     "eos_token_ids": cfg.get("eos_token_ids", [])}
 
+    from . import ebpf
+
+    xdp = ebpf.build(tmp / "deploy" / "ebpf")  # topology-free: host setup is `zlc deploy build`'s job
+    _stage(progress, "ebpf", "XDP ingress program " + ("built" if xdp.object else f"source only: {xdp.reason}"))
+
     import triton
 
     decode = programs["cpu"]

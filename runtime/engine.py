@@ -73,7 +73,7 @@ class Engine:
     None to poll without sleeping, for tests in one thread)."""
 
     def __init__(self, session: Any, region: RingRegion, *, eos: list[int], max_queue: int = 64,
-                 request_fd: int | None = None, result_fd: int | None = None, spin_us: float = 50.0):
+                 request_fd: int | None = None, result_fd: int | None = None, spin_us: float = 0.0):
         self.session = session
         self.region = region
         self.eos = frozenset(eos)
@@ -230,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--result-fd", type=int, required=True)
     ap.add_argument("--ready-fd", type=int, required=True, help="pipe: 'ready' or an error line, then closed")
     ap.add_argument("--max-queue", type=int, default=64)
-    ap.add_argument("--spin-us", type=float, default=50.0)
+    ap.add_argument("--spin-us", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads for the executor's torch/numpy work")
     args = ap.parse_args(argv)
     parent = os.getppid()
     _die_with_parent()
     ready = os.fdopen(args.ready_fd, "w")
+    # One thread by default: a batch-1 step of a small model gains little from a pool, and a pool
+    # spinning on every core steals them from ingress (p99 doubled on 2 cores). Set before torch
+    # loads; the interpreter's worker process inherits it.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
     try:
         import zlc
 

@@ -25,9 +25,9 @@ class ResultHandler(Protocol):
 
 class EngineClient:
     def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, request_capacity: int = 256,
-                 result_capacity: int = 8192, spin_us: float = 50.0):
+                 result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1):
         self.bundle, self.device = bundle, device
-        self.max_queue, self.spin_us = max_queue, spin_us
+        self.max_queue, self.spin_us, self.threads = max_queue, spin_us, threads
         self.region = RingRegion.create(None, request_capacity, result_capacity)
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
@@ -47,7 +47,7 @@ class EngineClient:
         cmd = [sys.executable, "-m", "zlc.runtime.engine", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
-               "--spin-us", str(self.spin_us)]
+               "--spin-us", str(self.spin_us), "--threads", str(self.threads)]
         self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w), stdin=subprocess.DEVNULL)
         os.close(w)
         line = b""

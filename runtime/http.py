@@ -4,7 +4,7 @@ and the limits a public endpoint needs: header size, body size (413), a deadline
 arrive completely (slowloris: 408 and close), and an idle keep-alive timeout.
 
 The application sees an ``HttpRequest`` and answers through the ``HttpConnection``: ``respond()``
-for a whole body, or ``start_stream()`` / ``send()`` / ``end_stream()`` for a stream. Exactly one
+for a whole body, or ``write_stream()`` calls for a stream (the last with ``end=True``). Exactly one
 response per request; the next pipelined request is dispatched when it ends.
 """
 
@@ -200,38 +200,35 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(self._head(status, content_type, keep, len(body)) + headers + b"\r\n" + body)
         self._finish(keep)
 
-    def start_stream(self, status: int = 200, content_type: bytes = b"text/event-stream",
-                     headers: bytes = b"", first: bytes = b"") -> None:
-        """Starts a streamed response (chunked; close-delimited for HTTP/1.0 clients)."""
+    def write_stream(self, data: bytes, *, end: bool = False, headers: bytes = b"") -> None:
+        """`data` on the active request's SSE stream in one transport write: the response head
+        (200, `headers` added) goes in front of the first, the terminating chunk after the last
+        (end=True)."""
         req = self.active
         if req is None or self.transport is None or self.closed:
             return
-        self.streaming = True
-        head = self._head(status, content_type, req.keep_alive and not req.http10, None)
-        head += b"cache-control: no-cache\r\n" + headers
-        head += b"\r\n" if req.http10 else b"transfer-encoding: chunked\r\n\r\n"
-        self.transport.write(head + (self._chunk(first) if first else b""))
+        out = b""
+        if not self.streaming:
+            self.streaming = True
+            out = self._head(200, b"text/event-stream", req.keep_alive and not req.http10, None)
+            out += b"cache-control: no-cache\r\n" + headers
+            out += b"\r\n" if req.http10 else b"transfer-encoding: chunked\r\n\r\n"
+        if data:
+            out += self._chunk(data)
+        if end:
+            if not req.http10:
+                out += b"0\r\n\r\n"
+            self.transport.write(out)
+            self.streaming = False
+            self._finish(req.keep_alive and not req.http10)
+        else:
+            self.transport.write(out)
 
     def _chunk(self, data: bytes) -> bytes:
         assert self.active is not None
         if self.active.http10:
             return data
         return b"%x\r\n%b\r\n" % (len(data), data)
-
-    def send(self, data: bytes) -> None:
-        if self.streaming and self.transport is not None and not self.closed and data:
-            self.transport.write(self._chunk(data))
-
-    def end_stream(self, last: bytes = b"") -> None:
-        req = self.active
-        if not self.streaming or req is None or self.transport is None or self.closed:
-            return
-        out = self._chunk(last) if last else b""
-        if not req.http10:
-            out += b"0\r\n\r\n"
-        self.transport.write(out)
-        self.streaming = False
-        self._finish(req.keep_alive and not req.http10)
 
     def _finish(self, keep_alive: bool) -> None:
         self.active = None

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from zlc.errors import ZlcError
 
@@ -95,12 +94,16 @@ class MegakernelSession:
                            f"bundle's max_seq={self.max_seq}; recompile with a larger --max-seq")
         self.reset()
         sampled = temperature > 0.0
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        gen = None
+        if sampled:  # torch only when sampling: a greedy server process never imports it
+            import torch
+
+            gen = torch.Generator().manual_seed(seed if seed is not None else 0)
         tok, lg = self.prefill(list(prompt_ids), want_logits=sampled)
         for i in range(max_new_tokens):
             if sampled:
-                assert lg is not None
-                tok = sample(torch.from_numpy(lg[-1]), temperature, top_p, gen)
+                assert lg is not None and gen is not None
+                tok = sample(torch.from_numpy(lg[-1]), temperature, top_p, gen)  # noqa: F821 (imported above)
             yield tok
             if tok in stops or i == max_new_tokens - 1:
                 return

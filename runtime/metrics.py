@@ -5,8 +5,11 @@ depth, ring occupancy, tokens per second) are computed when scraped, not on the 
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -36,6 +39,15 @@ class TokenRate:
         return sum(c for s, c in self.buckets if s > now - self.window) / self.window
 
 
+@dataclass(slots=True)
+class ApiMetrics:
+    """One API's labelled children, resolved once (a labels() lookup costs microseconds)."""
+
+    ttft: Any
+    itl: Any
+    ok: Any
+
+
 class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], float], request_ring: Callable[[], float],
                  result_ring: Callable[[], float]):
@@ -60,5 +72,20 @@ class ServerMetrics:
         ring.labels("request").set_function(request_ring)
         ring.labels("result").set_function(result_ring)
 
+    def for_api(self, api: str) -> ApiMetrics:
+        return ApiMetrics(self.ttft.labels(api), self.itl.labels(api), self.requests.labels(api, "ok"))
+
+    def watch_xdp(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Exports the XDP program's own counters (read from its per-CPU map when scraped)."""
+        g = Gauge("zlc_xdp_program_frames", "Frames the XDP program saw on the serving port, by outcome "
+                  "(accepted into the BPF ring, or passed to the UDP socket: malformed, ring_full, too_long)",
+                  ["outcome"], registry=self.registry)
+        for name in ("accepted", "malformed", "ring_full", "too_long"):
+            g.labels(name).set_function(functools.partial(_stat, stats, name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _stat(stats: Callable[[], dict[str, int]], name: str) -> float:
+    return float(stats()[name])

@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .rings import Request, ResultFlag
 from .textstream import TextStream
 
 ARCHITECTURE = "zero-layer-v1"
+UDP_BUFFER_BYTES = 8 << 20  # capped by net.core.rmem_max / wmem_max (deploy/sysctl.d raises those)
 
 
 @dataclass
@@ -45,9 +47,11 @@ class ServeOptions:
     frame_port: int | None = None  # TCP binary frames (None: off, 0: any free port)
     udp_port: int | None = None  # UDP binary frames
     max_queue: int = 32  # requests waiting in the engine before new ones get "overloaded"
-    spin_us: float = 50.0
+    spin_us: float = 0.0  # the engine polls its ring this long before sleeping (for isolated cores)
+    threads: int = 1  # the executor's CPU threads (reference / cpu devices)
     limits: HttpLimits = field(default_factory=HttpLimits)
     frame_timeout_s: float = 5.0  # a partial TCP frame older than this closes the connection
+    xdp: str | None = None  # attach the bundle's XDP program to this interface (needs udp_port)
 
 
 def _engine_error(code: int, queue: int) -> ApiError:
@@ -88,19 +92,23 @@ class HttpReply:
             return
         now = time.monotonic_ns()
         m = server.metrics
+        mc = server.per_api[self.api]
         if self.produced == 0:
-            m.ttft.labels(self.api).observe((now - self.t0) * 1e-9)
+            mc.ttft.observe((now - self.t0) * 1e-9)
         else:
-            m.itl.labels(self.api).observe((now - self.t_last) * 1e-9)
+            mc.itl.observe((now - self.t_last) * 1e-9)
         self.t_last = now
         self.produced += 1
         m.tokens.inc()
         m.rate.add()
         piece = "" if flags & ResultFlag.EOS else self.text.feed(token)
         stream = self.spec.stream
+        # Streams: the headers and message_start go out with the first token, in one write (one
+        # syscall, one packet), and every later token in one write of its own.
+        head = b""
         if stream and not self.started:
             self.started = True
-            conn.start_stream(headers=server.id_headers(self.reply.id), first=self.reply.stream_head())
+            head = self.reply.stream_head()
         if self.text.stopped is not None:
             reason = "stop_sequence"
             if not flags & ResultFlag.LAST:
@@ -111,15 +119,17 @@ class HttpReply:
             if self.text.stopped is not None:
                 reason = "stop_sequence"
         else:
-            if stream and piece:
-                conn.send(self.reply.stream_delta(piece))
+            if stream and (piece or head):
+                conn.write_stream(head + (self.reply.stream_delta(piece) if piece else b""),
+                                  headers=server.id_headers(self.reply.id))
             return
         self.done = True
         conn.cancel_active = None
-        m.requests.labels(self.api, "ok").inc()
+        mc.ok.inc()
         if stream:
             tail = self.reply.stream_delta(piece) if piece else b""
-            conn.end_stream(tail + self.reply.stream_end(reason, self.text.stopped, self.produced))
+            conn.write_stream(head + tail + self.reply.stream_end(reason, self.text.stopped, self.produced),
+                              end=True, headers=server.id_headers(self.reply.id))
         else:
             conn.respond(200, self.reply.body(self.text.text, reason, self.text.stopped, self.produced),
                          headers=server.id_headers(self.reply.id))
@@ -130,7 +140,7 @@ class HttpReply:
         self.server.metrics.requests.labels(self.api, e.kind).inc()
         mod = api_openai if self.api == "openai" else api_anthropic
         if self.started:  # headers are out: the error goes in the stream
-            self.conn.end_stream(self.reply.stream_error(e))
+            self.conn.write_stream(self.reply.stream_error(e), end=True)
         else:
             status = api_openai.status_of(e) if self.api == "openai" else e.status
             self.conn.respond(status, mod.error_body(e))
@@ -159,14 +169,17 @@ class Server:
         self.model = o.model_name or self.bundle.name
         self.max_seq = self.bundle.max_seq
         self.tokenizer = self.bundle.tokenizer
-        self.engine = EngineClient(str(self.bundle.path), o.device, max_queue=o.max_queue, spin_us=o.spin_us)
+        self.engine = EngineClient(str(self.bundle.path), o.device, max_queue=o.max_queue, spin_us=o.spin_us,
+                                   threads=o.threads)
         self.metrics = ServerMetrics(lambda: self.engine.in_flight, self.engine.region.requests.occupancy,
                                      self.engine.region.results.occupancy)
+        self.per_api = {api: self.metrics.for_api(api) for api in ("anthropic", "openai")}
         self.extra_headers = f"x-zlc-architecture: {ARCHITECTURE}\r\nserver: zlc\r\n".encode()
         self.connections: set[HttpConnection] = set()
         self.servers: list[Any] = []
         self.udp: asyncio.DatagramTransport | None = None
         self.addresses: dict[str, Any] = {}
+        self.xdp: Any = None
         self._stopped: asyncio.Event | None = None
 
     # -- lifetime
@@ -185,10 +198,24 @@ class Server:
             self.servers.append(tcp)
             self.addresses["frames_tcp"] = tcp.sockets[0].getsockname()[:2]
         if o.udp_port is not None:
-            transport, _ = await loop.create_datagram_endpoint(lambda: FrameDatagram(self),
-                                                               local_addr=(o.host, o.udp_port))
+            transport, proto = await loop.create_datagram_endpoint(lambda: FrameDatagram(self),
+                                                                   local_addr=(o.host, o.udp_port))
             self.udp = transport
             self.addresses["frames_udp"] = transport.get_extra_info("sockname")[:2]
+            if o.xdp is not None:
+                self._attach_xdp(loop, proto, self.addresses["frames_udp"][1])
+        elif o.xdp is not None:
+            raise ZlcError("--xdp needs --udp-port: frames the program passes on, and all replies, use that socket")
+
+    def _attach_xdp(self, loop: asyncio.AbstractEventLoop, udp: FrameDatagram, port: int) -> None:
+        from .xdp import XdpIngress
+
+        obj = self.bundle.path / "deploy" / "ebpf" / "zlc_xdp.o"
+        xdp = XdpIngress(obj, str(self.options.xdp), port, lambda frame, addr: udp.handle(frame, addr, "xdp"))
+        self.xdp = xdp
+        loop.add_reader(xdp.epoll_fd, xdp.consume)
+        self.metrics.watch_xdp(xdp.stats)
+        self.addresses["xdp"] = [str(self.options.xdp), port]
 
     def close(self) -> None:
         for s in self.servers:
@@ -197,6 +224,13 @@ class Server:
             c.close()
         if self.udp is not None:
             self.udp.close()
+        if self.xdp is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.xdp.epoll_fd)
+            except RuntimeError:
+                pass
+            self.xdp.close()  # detaches the program
+            self.xdp = None
         self.engine.close()
         if self._stopped is not None:
             self._stopped.set()
@@ -314,20 +348,21 @@ class _FrameSubmitter:
         self.name = transport_name
         self.inflight: dict[Any, int] = {}  # client request id -> engine request id
 
-    def submit(self, header: frames.FrameHeader, tokens: Any, send: Any, key: Any) -> None:
+    def submit(self, header: frames.FrameHeader, tokens: Any, send: Any, key: Any, via: str | None = None) -> None:
         server = self.server
         m = server.metrics.frames
+        name = via or self.name
         if header.flags & frames.FrameFlag.CANCEL:
             rid = self.inflight.pop(key, None)
             if rid is not None:
                 server.engine.cancel(rid)
                 send(frames.encode_result(header.request_id, frames.FrameErrorCode.CANCELLED,
                                           frames.FrameFlag.ERROR | frames.FrameFlag.LAST))
-            m.labels(self.name, "cancel").inc()
+            m.labels(name, "cancel").inc()
             return
         n = len(tokens)
         if key in self.inflight or n > server.max_seq:
-            m.labels(self.name, "refused").inc()
+            m.labels(name, "refused").inc()
             send(frames.encode_result(header.request_id, frames.FrameErrorCode.BAD_REQUEST,
                                       frames.FrameFlag.ERROR | frames.FrameFlag.LAST))
             return
@@ -335,14 +370,14 @@ class _FrameSubmitter:
         rid = server.engine.new_id()
         reply = FrameReply(send, header.request_id, rid, None, key)
         if not server.engine.submit(Request(rid, tokens, max_tokens), reply):
-            m.labels(self.name, "overloaded").inc()
+            m.labels(name, "overloaded").inc()
             send(frames.encode_result(header.request_id, frames.FrameErrorCode.OVERLOADED,
                                       frames.FrameFlag.ERROR | frames.FrameFlag.LAST))
             return
         self.inflight[key] = rid
         reply.owner = self.inflight
         reply.client_id = header.request_id
-        m.labels(self.name, "accepted").inc()
+        m.labels(name, "accepted").inc()
         server.metrics.prompt_tokens.inc(n)
 
 
@@ -425,8 +460,23 @@ class FrameDatagram(asyncio.DatagramProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's is not an asyncio subclass)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # room for bursts (and for what XDP passes on when its ring is full)
+            for force, opt in ((33, socket.SO_RCVBUF), (32, socket.SO_SNDBUF)):  # SO_*BUFFORCE: root only
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, force, UDP_BUFFER_BYTES)
+                except OSError:
+                    try:
+                        sock.setsockopt(socket.SOL_SOCKET, opt, UDP_BUFFER_BYTES)
+                    except OSError:
+                        pass
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.handle(data, addr, "udp")
+
+    def handle(self, data: bytes, addr: Any, via: str) -> None:
+        """One frame from `addr`, received on the socket ("udp") or taken from the XDP ring ("xdp",
+        validated by the program and checked again here); replies leave through the socket."""
         m = self.server.metrics.frames
         transport = self.transport
         assert transport is not None
@@ -435,7 +485,7 @@ class FrameDatagram(asyncio.DatagramProtocol):
             transport.sendto(out, addr)
 
         if len(data) < frames.HEADER_SIZE or int.from_bytes(data[:4], "little") != frames.MAGIC:
-            m.labels("udp", "malformed").inc()
+            m.labels(via, "malformed").inc()
             return
         try:
             h = frames.parse_header(data, self.limit)
@@ -443,11 +493,11 @@ class FrameDatagram(asyncio.DatagramProtocol):
                 raise frames.FrameError(f"datagram is {len(data)} bytes; n_tokens {h.n_tokens} says "
                                         f"{frames.HEADER_SIZE + 4 * h.n_tokens}")
         except frames.FrameError:
-            m.labels("udp", "malformed").inc()
+            m.labels(via, "malformed").inc()
             rid = int.from_bytes(data[8:16], "little")
             send(frames.encode_result(rid, frames.FrameErrorCode.MALFORMED, frames.FrameFlag.ERROR | frames.FrameFlag.LAST))
             return
-        self.sub.submit(h, frames.tokens_from(memoryview(data)[frames.HEADER_SIZE:]), send, (addr, h.request_id))
+        self.sub.submit(h, frames.tokens_from(memoryview(data)[frames.HEADER_SIZE:]), send, (addr, h.request_id), via)
 
     def error_received(self, exc: Exception) -> None:  # e.g. ICMP port unreachable from a gone client
         pass
