@@ -8,7 +8,10 @@ times request sent -> result frame received. The server runs twice, alternating 
 (frames reach it through the UDP socket). It also reports the XDP program's own run time per frame
 from the kernel's BPF statistics (kernel.bpf_stats_enabled, switched on for the run and restored).
 
-    python bench/xdp_frames.py [--requests 5000] [--blocks 4] [--json OUT]     (root; clang, libbpf)
+    python bench/xdp_frames.py [--requests 5000] [--blocks 4] [--burst 2000] [--json OUT]   (root; clang, libbpf)
+
+At the end, a burst per path (frames sent back to back, replies collected): how many were answered
+(none may be lost), how long it took, and the XDP program's cost per frame when it is busy.
 """
 
 from __future__ import annotations
@@ -48,6 +51,35 @@ print(json.dumps(out))
 """
 
 
+BURST_CODE = r"""
+import json, socket, sys, time
+from zlc.runtime import frames
+n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+s.connect((host, port)); s.settimeout(0.5)
+msgs = [frames.encode_request(i, [1, 2, 3, 4], 1) for i in range(n)]
+t0 = time.perf_counter_ns()
+for m in msgs:
+    s.send(m)
+t_sent = time.perf_counter_ns()
+last, codes = set(), {}
+deadline = time.monotonic() + 60
+while len(last) < n and time.monotonic() < deadline:
+    try:
+        data = s.recv(65536)
+    except TimeoutError:
+        continue
+    for f in frames.decode_results(bytearray(data)):
+        if f.flags & frames.FrameFlag.LAST:
+            last.add(f.request_id)
+            if f.flags & frames.FrameFlag.ERROR:
+                codes[f.tokens[0]] = codes.get(f.tokens[0], 0) + 1
+t1 = time.perf_counter_ns()
+print(json.dumps({"sent": n, "answered": len(last), "errors": codes, "send_us": (t_sent - t0) / 1000,
+                  "all_answered_us": (t1 - t0) / 1000}))
+"""
+
+
 def sh(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
 
@@ -68,9 +100,10 @@ def build_bundle(work: Path) -> Path:
     return out
 
 
-def start_server(ns: str, bundle: Path, xdp: str | None) -> subprocess.Popen[bytes]:
+def start_server(ns: str, bundle: Path, xdp: str | None, max_queue: int = 32) -> subprocess.Popen[bytes]:
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--device",
-           "reference", "--host", SERVER_IP, "--port", "0", "--udp-port", str(PORT), "--api-key", "bench"]
+           "reference", "--host", SERVER_IP, "--port", "0", "--udp-port", str(PORT), "--api-key", "bench",
+           "--max-queue", str(max_queue)]
     if xdp:
         cmd += ["--xdp", xdp]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -107,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=5000, help="timed requests per block")
     ap.add_argument("--blocks", type=int, default=4, help="blocks per path, alternating xdp/socket")
+    ap.add_argument("--burst", type=int, default=2000, help="frames sent back to back, per path, at the end")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -149,7 +183,22 @@ def main() -> None:
                 stop(p)
             print(f"block {b + 1}/{args.blocks * 2} ({path}): p50 {statistics.median(rtt[path]):.1f} µs",
                   file=sys.stderr)
-        res: dict[str, Any] = {"requests_per_path": len(rtt["xdp"]), "blocks": args.blocks}
+        burst_file = work / "burst.py"
+        burst_file.write_text(BURST_CODE)
+        bursts: dict[str, Any] = {}
+        for path in ("xdp", "socket"):
+            p = start_server(srv, bundle, veth if path == "xdp" else None, max_queue=args.burst)
+            try:
+                before = xdp_prog_stats() if path == "xdp" else (0, 0)
+                bursts[path] = json.loads(sh("ip", "netns", "exec", cli, sys.executable, str(burst_file),
+                                             str(args.burst), SERVER_IP, str(PORT)))
+                if path == "xdp":
+                    after = xdp_prog_stats()
+                    bursts[path]["program_ns_per_frame"] = round((after[0] - before[0]) / max(1, after[1] - before[1]), 1)
+            finally:
+                stop(p)
+            print(f"burst ({path}): {bursts[path]}", file=sys.stderr)
+        res: dict[str, Any] = {"requests_per_path": len(rtt["xdp"]), "blocks": args.blocks, "burst": bursts}
         for k, xs in rtt.items():
             res[k] = {"p50_us": round(pct(xs, 0.5), 1), "p99_us": round(pct(xs, 0.99), 1)}
         res["xdp_program_ns_per_frame"] = round(prog_ns / max(prog_cnt, 1), 1)
@@ -164,6 +213,12 @@ def main() -> None:
         print(f"socket/xdp: p50 {res['ratio_socket_over_xdp_p50']}x, p99 {res['ratio_socket_over_xdp_p99']}x")
         print(f"XDP program: {res['xdp_program_ns_per_frame']} ns per packet on the serving interface "
               f"({prog_cnt} runs, kernel BPF stats)")
+        for k in ("xdp", "socket"):
+            b_ = bursts[k]
+            extra = f", XDP program {b_['program_ns_per_frame']} ns/frame" if k == "xdp" else ""
+            print(f"burst of {b_['sent']} frames via {k}: {b_['answered']} answered ({b_['errors'] or 'no'} errors), "
+                  f"sent in {b_['send_us'] / 1000:.1f} ms, all answered after {b_['all_answered_us'] / 1000:.1f} ms"
+                  f"{extra}")
         if args.json:
             args.json.write_text(json.dumps(res, indent=2) + "\n")
     finally:
