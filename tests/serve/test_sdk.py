@@ -223,3 +223,27 @@ def test_warns_when_exposed_without_key(start_server: Any) -> None:
     s = start_server("--device", "reference", "--host", "0.0.0.0")
     assert s.host == "0.0.0.0"
     assert "WARNING: listening on 0.0.0.0 without --api-key" in s.stop()
+
+
+def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
+    """A client that goes away mid-stream cancels its request: on the interpreter (~0.5 s a token)
+    the next request is answered in seconds, not after the 40 tokens the first one asked for."""
+    import socket
+    import time
+
+    s = start_server("--device", "cpu")
+    body = json.dumps({"model": MODEL, "max_tokens": 40, "stream": True, "messages": msgs()}).encode()
+    raw = socket.create_connection((s.host, s.port), timeout=60)
+    raw.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    assert raw.recv(65536).startswith(b"HTTP/1.1 200")  # the first token's events are out
+    raw.close()
+    t0 = time.monotonic()
+    a, _ = clients(s)
+    assert a.messages.create(model=MODEL, max_tokens=1, messages=msgs()).usage.output_tokens == 1
+    waited = time.monotonic() - t0
+    assert waited < 15, f"the next request waited {waited:.1f} s: the first one was not cancelled"
+    with urllib.request.urlopen(s.base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'zlc_requests_total{api="anthropic",outcome="cancelled"} 1.0' in text
+    assert "zlc_queue_depth 0.0" in text
