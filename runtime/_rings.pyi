@@ -1,4 +1,4 @@
-"""Type stub for the C extension zlc.runtime._rings (runtime/_rings.c; layout: docs/rings.md)."""
+"""Type declarations (for mypy and editors) of the C extension zlc.runtime._rings (runtime/_rings.c; layout: docs/rings.md)."""
 
 from collections.abc import Sequence
 from types import TracebackType

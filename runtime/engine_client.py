@@ -10,6 +10,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -51,9 +52,9 @@ class EngineClient:
         self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w), stdin=subprocess.DEVNULL)
         os.close(w)
         line = b""
-        ready_by = timeout_s
+        deadline = time.monotonic() + timeout_s
         while not line.endswith(b"\n"):
-            got, _, _ = select.select([r], [], [], ready_by)
+            got, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
             if not got:
                 self.close()
                 raise ZlcError(f"the engine did not load {self.bundle} within {timeout_s:.0f} s")

@@ -103,7 +103,7 @@ class MegakernelSession:
         for i in range(max_new_tokens):
             if sampled:
                 assert lg is not None and gen is not None
-                tok = sample(torch.from_numpy(lg[-1]), temperature, top_p, gen)  # noqa: F821 (imported above)
+                tok = sample(torch.from_numpy(lg[-1]), temperature, top_p, gen)
             yield tok
             if tok in stops or i == max_new_tokens - 1:
                 return

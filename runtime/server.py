@@ -66,7 +66,7 @@ class HttpReply:
     """One generation request on its way back to an HTTP client."""
 
     __slots__ = ("server", "conn", "api", "reply", "spec", "text", "rid", "t0", "t_last", "produced", "started",
-                 "done")
+                 "done", "headers")
 
     def __init__(self, server: Server, conn: HttpConnection, api: str, reply: Any, spec: GenerationSpec, t0: int):
         self.server, self.conn, self.api, self.reply, self.spec = server, conn, api, reply, spec
@@ -76,6 +76,7 @@ class HttpReply:
         self.produced = 0
         self.started = False
         self.done = False
+        self.headers = server.id_headers(reply.id)  # sent with the response head
 
     def cancel(self) -> None:  # the client went away
         if not self.done:
@@ -121,7 +122,7 @@ class HttpReply:
         else:
             if stream and (piece or head):
                 conn.write_stream(head + (self.reply.stream_delta(piece) if piece else b""),
-                                  headers=server.id_headers(self.reply.id))
+                                  headers=self.headers)
             return
         self.done = True
         conn.cancel_active = None
@@ -129,10 +130,10 @@ class HttpReply:
         if stream:
             tail = self.reply.stream_delta(piece) if piece else b""
             conn.write_stream(head + tail + self.reply.stream_end(reason, self.text.stopped, self.produced),
-                              end=True, headers=server.id_headers(self.reply.id))
+                              end=True, headers=self.headers)
         else:
             conn.respond(200, self.reply.body(self.text.text, reason, self.text.stopped, self.produced),
-                         headers=server.id_headers(self.reply.id))
+                         headers=self.headers)
 
     def fail(self, e: ApiError) -> None:
         self.done = True

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from serve_helpers import closed_within
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -109,17 +110,7 @@ class Wire:
 
     def closed_within(self, seconds: float) -> bool:
         """True if the server closes the connection within `seconds` (what it sends before is dropped)."""
-        deadline = time.monotonic() + seconds
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                self.sock.settimeout(left)
-                if not self.sock.recv(65536):
-                    return True
-        except TimeoutError:
-            return False
-        except ConnectionResetError:
-            return True
-        return False
+        return closed_within(self.sock, seconds)
 
 
 def http_request(method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, *,

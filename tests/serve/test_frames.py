@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serve_helpers import closed_within
 
 from zlc.runtime import frames
 from zlc.runtime.frames import FrameErrorCode, FrameFlag, ResultFrame
@@ -100,17 +101,8 @@ class Tcp:
         return got
 
     def closed_within(self, seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                self.sock.settimeout(left)
-                if not self.sock.recv(65536):
-                    return True
-        except TimeoutError:
-            return False
-        except ConnectionResetError:
-            return True
-        return False
+        """True if the server closes the connection within `seconds` (what it sends before is dropped)."""
+        return closed_within(self.sock, seconds)
 
 
 class Udp:
