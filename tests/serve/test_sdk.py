@@ -5,6 +5,7 @@ plus /v1/models, /health, /metrics, the architecture header and the API key."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -247,3 +248,17 @@ def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
         text = r.read().decode()
     assert 'zlc_requests_total{api="anthropic",outcome="cancelled"} 1.0' in text
     assert "zlc_queue_depth 0.0" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--xdp", "zlc-nosuchif0"), "--xdp needs --udp-port"),
+    (("--xdp", "zlc-nosuchif0", "--udp-port", "0"),
+     "no such network interface" if os.geteuid() == 0 else "--xdp needs root"),
+])
+def test_xdp_option_errors_are_one_line(chat_bundle: Path, args: tuple[str, ...], message: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(chat_bundle), "--device", "reference",
+                          "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
