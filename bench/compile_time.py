@@ -114,7 +114,7 @@ def main() -> None:
         targets = [t for t in args.targets.split(",") if t]
         print("\n".join(report(args.models[0], args.repeat, args.max_seq, targets)), flush=True)
         return
-    from zlc import zoo
+    from zlc.testing import zoo
 
     models = list(args.models) or [zoo.cached("stateless", "llama", 20)]
     if args.smollm2:

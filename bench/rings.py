@@ -1,4 +1,4 @@
-"""Micro-benchmark of the request/result rings (zlc.runtime.rings) against the peer measured in the
+"""Micro-benchmark of the request/result rings (zlc.runtime.serve.rings) against the peer measured in the
 same run: multiprocessing.Queue, which is what a Python server would otherwise put between
 processes.
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zlc.runtime.rings import Request, Result, RingRegion
+from zlc.runtime.serve.rings import Request, Result, RingRegion
 
 SPAWN = mp.get_context("spawn")
 

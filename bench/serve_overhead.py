@@ -92,7 +92,7 @@ def build_bundle(workdir: Path) -> Path:
     if (out / "manifest.json").is_file():
         return out
     import zlc
-    from zlc import zoo
+    from zlc.testing import zoo
 
     onnx_path = _load_nolayer_module().export_nolayer(workdir / "nolayer.onnx", vocab=VOCAB, hidden=HIDDEN)
     tok = zoo.save_chat_tokenizer(workdir / "tokenizer")
@@ -234,7 +234,7 @@ def run_echo(host: str, port: int) -> None:
 
     import uvloop
 
-    from zlc.runtime import frames
+    from zlc.runtime.serve import frames
 
     class Echo(asyncio.Protocol):
         def connection_made(self, transport: Any) -> None:
@@ -404,7 +404,7 @@ class FrameClient:
     ns from the send to the first result frame (and to the LAST one)."""
 
     def __init__(self, host: str, port: int, udp: bool, tokens: list[int]):
-        from zlc.runtime import frames
+        from zlc.runtime.serve import frames
 
         self.frames = frames
         self.udp = udp

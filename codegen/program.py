@@ -20,32 +20,12 @@ from typing import Any
 
 import numpy as np
 
-# ---- op kinds (the dispatch chain's numbering) ---------------------------------------------
-OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX = range(6)
-OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax")
+from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_NAMES, TASK_WORDS
 
 # ---- norm and activation codes (descriptor fields) -----------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = 0, 1, 2
-
-# ---- table geometry --------------------------------------------------------------------------
-TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad
-MAX_WAITS = 3
-DESC_WORDS = 16  # int64 fields per descriptor
-DESC_FLOATS = 4  # f32 fields per descriptor
-HEADER_WORDS = 16  # TASKS[0:16]: n_prefill, base_prefill, n_decode, base_decode, n_events, ...
-
-# ---- control block (CTRL, int32) -------------------------------------------------------------
-CTRL_MODE, CTRL_T, CTRL_PAST, CTRL_OUT_TOKEN, CTRL_ERROR, CTRL_ALL_LOGITS, CTRL_AUTO_ADVANCE = range(7)
-CTRL_TOKENS = 16  # tokens of this step start here
-MODE_PREFILL, MODE_DECODE = 0, 1
-ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or lost signal)
-
-# ---- counters (CNT, int32) -------------------------------------------------------------------
-CNT_QUEUE, CNT_EXIT = 0, 1
-CNT_EVENTS = 16  # event e lives at CNT[16 + e]
-
 
 @dataclass(frozen=True)
 class Region:

@@ -26,23 +26,25 @@ from typing import Any
 
 import numpy as np
 
-from zlc.errors import ZlcError
-from zlc.ir import Graph, Node, Value
-
-from .program import (
-    ACTIVATIONS,
+from zlc.bundle import (
     DESC_FLOATS,
     DESC_WORDS,
     MAX_WAITS,
-    NORM_LAYER,
-    NORM_NONE,
-    NORM_RMS,
     OP_ARGMAX,
     OP_ATTENTION,
     OP_ATTN_COMBINE,
     OP_CACHE_APPEND,
     OP_EMBED,
     OP_LINEAR,
+)
+from zlc.errors import ZlcError
+from zlc.ir import Graph, Node, Value
+
+from .program import (
+    ACTIVATIONS,
+    NORM_LAYER,
+    NORM_NONE,
+    NORM_RMS,
     ROPE_HALF,
     ROPE_INTERLEAVED,
     ROPE_NONE,
@@ -775,7 +777,7 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any
     """(W, P) arenas as torch tensors: every placed constant copied to its offset."""
     import torch
 
-    from zlc.runtime.reference import const_tensor
+    from zlc.reference.kernels import const_tensor
 
     wdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[weight_dtype]
     W = torch.zeros(max(program.w_size, 1), dtype=wdt)

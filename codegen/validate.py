@@ -13,9 +13,10 @@ guard: it proves from the table alone (waits, signals, declared reads and writes
 
 from __future__ import annotations
 
+from zlc.bundle import MAX_WAITS
 from zlc.errors import ZlcError
 
-from .program import MAX_WAITS, Program, Task
+from .program import Program, Task
 from .schedule import happens_before, signalers
 
 

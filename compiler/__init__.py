@@ -39,7 +39,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "STAGES": ("zlc.driver", "STAGES"),
     "verify": ("zlc.verifier", "verify"),
     "VerifyReport": ("zlc.verifier", "VerifyReport"),
-    "ReferenceSession": ("zlc.runtime.session", "ReferenceSession"),
+    "ReferenceSession": ("zlc.reference.session", "ReferenceSession"),
     "compile": ("zlc.compile", "compile"),
     "CompileResult": ("zlc.compile", "CompileResult"),
     "load": ("zlc.runtime.loader", "load"),
@@ -47,10 +47,11 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 if TYPE_CHECKING:  # static checkers see the real names
+    from zlc.reference.session import ReferenceSession
+    from zlc.runtime.loader import Bundle, load
+
     from .compile import CompileResult, compile
     from .driver import STAGES, CompileOptions, Lowered, load_model, lower
-    from .runtime.loader import Bundle, load
-    from .runtime.session import ReferenceSession
     from .verifier import VerifyReport, verify
 
 

@@ -318,7 +318,7 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
 
 
 def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_json: bool, show_ir: bool) -> None:
-    from .artifact import read_manifest, verify_checksums
+    from .bundle import read_manifest, verify_checksums
 
     man = read_manifest(path)
     if as_json:
@@ -556,8 +556,9 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
         raise ZlcError(f"prompt ({len(prompt_ids)}) + max-new-tokens ({max_new_tokens}) exceed "
                        f"--max-seq {max_seq}")
     with progress(f"lower {model.name}") as p:
+        from zlc.reference.session import ReferenceSession
+
         from .driver import CompileOptions, lower
-        from .runtime.session import ReferenceSession
         from .verifier import check_token_ids
 
         lowered = lower(model, options=CompileOptions(max_seq=max_seq or max(need, 64)), observer=p)
@@ -576,7 +577,7 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
 def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
                 device: str, temperature: float, top_p: float, seed: int, eos: int | None,
                 as_json: bool) -> None:
-    from .runtime.loader import load
+    from zlc.runtime.loader import load
 
     bundle = load(path)
     err = _err()
@@ -681,9 +682,9 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
 
     Runs until Ctrl-C / SIGTERM. The engine (one process owning the executor) and this ingress talk
     through shared-memory rings (docs/serving.md)."""
-    from .runtime.http import HttpLimits
-    from .runtime.server import ServeOptions
-    from .runtime.server import run as run_server
+    from zlc.runtime.serve.http import HttpLimits
+    from zlc.runtime.serve.server import ServeOptions
+    from zlc.runtime.serve.server import run as run_server
 
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
@@ -773,7 +774,7 @@ def _plan_options(f: Any) -> Any:
 def _make_plan(bundle: Path, kw: dict[str, Any]) -> Any:
     import shutil
 
-    from .artifact import read_manifest
+    from .bundle import read_manifest
     from .deploy import PlanOptions, Topology, plan, read_topology
 
     man = read_manifest(bundle)
@@ -845,8 +846,9 @@ def deploy_build(bundle: Path, as_json: bool, **kw: Any) -> None:
     """Write the host setup files and the XDP ingress program (source, and the object when clang is
     present) into BUNDLE/deploy/ and record them in the manifest (the bundle stays loadable); a
     previous build's files are replaced."""
+    from zlc.deploy.ebpf import build_into_bundle
+
     from .deploy import write
-    from .ebpf import build_into_bundle
 
     p = _make_plan(bundle, kw)
     files = write(p, bundle)
@@ -878,7 +880,7 @@ def deploy_apply(path: Path, dry_run: bool, only: tuple[str, ...], pid: int | No
     """Apply a built plan (BUNDLE/deploy, or a `plan --out` DIR) on this host: sysctls, IRQ affinity
     and (--pid) a process's affinity take effect now (root); files to install, service restarts and
     kernel arguments (reboot) are listed, not done. Never edits the boot loader."""
-    from .artifact import MANIFEST, read_manifest
+    from .bundle import MANIFEST, read_manifest
     from .deploy import DEPLOY_DIR, apply, host_changes, load_plan
 
     if (path / MANIFEST).is_file():

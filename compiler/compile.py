@@ -1,4 +1,4 @@
-"""`zlc.compile`: a model -> an artifact bundle (see `zlc.artifact` for the layout).
+"""`zlc.compile`: a model -> an artifact bundle (see `zlc.bundle` for the layout).
 
     lower -> verify (against ONNX Runtime / the torch module) -> schedule + validate per tiling
     -> emit kernel.py -> pack weights -> AOT per GPU target -> tokenizer -> manifest
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .artifact import write_manifest
+from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .ir import DType
@@ -153,7 +153,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         tok_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
                     "eos_token_ids": cfg.get("eos_token_ids", [])}
 
-    from . import ebpf
+    from .deploy import ebpf
 
     xdp = ebpf.build(tmp / "deploy" / "ebpf")  # topology-free: host setup is `zlc deploy build`'s job
     _stage(progress, "ebpf", "XDP ingress program " + ("built" if xdp.object else f"source only: {xdp.reason}"))
@@ -214,7 +214,7 @@ def _verify(model: Any, example_inputs: Any, lowered: Lowered, atol: float) -> d
                 "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
     import torch
 
-    from zlc.runtime.session import ReferenceSession
+    from zlc.reference.session import ReferenceSession
 
     if example_inputs is None:
         return {"status": "skipped", "ok": True, "summary": "no reference"}
@@ -268,7 +268,7 @@ def _write_ir(root: Path, lowered: Lowered) -> None:
 
 
 def _ir_text(g: Any) -> str:
-    from .ir.text import print_graph
+    from zlc.ir.text import print_graph
 
     return print_graph(g)
 

@@ -69,7 +69,7 @@ def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None) -> Gra
         p = Path(model)
         if p.suffix.lower() not in (".onnx", "") and not p.is_file():
             raise ZlcError(f"model file not found: {p}")
-        from .frontend.onnx import import_onnx
+        from zlc.frontend.onnx import import_onnx
 
         return import_onnx(p)
     try:
@@ -78,7 +78,7 @@ def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None) -> Gra
         if isinstance(model, torch.nn.Module):
             if example_inputs is None:
                 raise ZlcError("a torch.nn.Module needs example_inputs, e.g. (torch.tensor([[1, 2, 3]]),)")
-            from .frontend.fx import import_module
+            from zlc.frontend.fx import import_module
 
             return import_module(model, example_inputs)
     except ImportError:  # pragma: no cover
@@ -86,7 +86,7 @@ def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None) -> Gra
     import onnx
 
     if isinstance(model, onnx.ModelProto):
-        from .frontend.onnx import import_onnx
+        from zlc.frontend.onnx import import_onnx
 
         return import_onnx(model)
     raise ZlcError(f"cannot compile an object of type {type(model).__name__}: "

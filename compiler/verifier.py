@@ -127,7 +127,7 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
            options: CompileOptions | None = None, observer: Observer | None = None) -> VerifyReport:
     """Compares zlc against ONNX Runtime on `model` (an .onnx path). Raises ZlcError on bad input;
     the report's `ok` says whether it passed. `observer` sees each lowering stage (progress)."""
-    from zlc.runtime.session import ReferenceSession
+    from zlc.reference.session import ReferenceSession
 
     path = Path(model)
     need = (len(prompt_ids) if prompt_ids else prompt_len) + steps

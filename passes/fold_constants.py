@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from zlc.ir import DType, Graph, Node, Value
-from zlc.runtime.reference import KERNELS, const_tensor
+from zlc.reference.kernels import KERNELS, const_tensor
 
 from .base import PassResult, drop_consts, has_side_effects, release_value_name
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from zlc.ir import Graph, Node, Value
-from zlc.runtime.reference import KERNELS
+from zlc.reference.kernels import KERNELS
 
 TRANSPARENT = ("Cast", "Identity")
 

@@ -18,7 +18,7 @@ import torch
 
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
-from zlc.runtime.reference import KERNELS, const_tensor
+from zlc.reference.kernels import KERNELS, const_tensor
 
 # Roles of graph inputs, assigned by name and type (see classify_inputs).
 IDS, MASK, POSITIONS, PAST_KEY, PAST_VALUE, PAST_LEN = (

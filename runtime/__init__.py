@@ -1,23 +1,9 @@
-"""zlc runtime: executors for compiled graphs (the reference executor is the oracle), and the
-request/result rings between ingress and the kernel (``zlc.runtime.rings``).
+"""zlc runtime: running a compiled bundle. `loader` (`zlc.load`) checks a bundle and opens
+sessions; `megakernel` is the host loop (prompt chunks, decode steps, sampling) over an executor:
+`interpret` (the kernel in Triton's CPU interpreter), `cuda` (its cubin through the driver API,
+`cuda_driver`), `reference_backend` (the bundle's IR on its packed weights); `tokenizer` is the
+bundled tokenizer. `serve/` is the serving wing (ingress, APIs, frames, engine, rings) on top.
 
-The reference executor pulls in torch; it loads on first use (PEP 562 module ``__getattr__``), so
-processes that only need the rings (ingress) import this package in milliseconds.
+The runtime reads the bundle format (`zlc.bundle`) and stands on the reference layer
+(`zlc.reference`); it never imports codegen, the passes or the frontends.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-__all__ = ["ReferenceExecutor", "run_graph"]
-
-if TYPE_CHECKING:  # static checkers see the real names
-    from .reference import ReferenceExecutor, run_graph
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import reference
-
-        return getattr(reference, name)
-    raise AttributeError(f"module 'zlc.runtime' has no attribute '{name}'")

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from zlc import bundle as fmt
 from zlc.errors import ZlcError
 
 
@@ -503,14 +504,12 @@ class CudaBackend:
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: int = 0,
                  debug: bool = False, target: str | None = None, ctrl: str = "mapped",
                  weights: Mapping[str, np.ndarray] | None = None, driver: Driver | None = None):
-        from zlc.codegen import program as pg
 
         if ctrl not in ("mapped", "device"):
             raise CudaError(f"ctrl must be 'mapped' or 'device', got {ctrl!r}")
-        self.pg = pg
         self.bundle = Path(bundle)
         if manifest is None:
-            from zlc.artifact import read_manifest
+            from zlc.bundle import read_manifest
 
             manifest = read_manifest(self.bundle, check=True)
         self.manifest = manifest
@@ -606,28 +605,27 @@ class CudaBackend:
 
     # -- the control block
     def _write_ctrl(self, mode: int, ids: Sequence[int], past: int, all_logits: bool, auto_advance: bool) -> None:
-        pg, c = self.pg, self.ctrl
+        c = self.ctrl
         if not 1 <= len(ids) <= self.chunk:
             raise CudaError(f"a launch takes 1..{self.chunk} tokens, got {len(ids)}")
-        c[pg.CTRL_MODE], c[pg.CTRL_T], c[pg.CTRL_PAST] = mode, len(ids), past
-        c[pg.CTRL_ALL_LOGITS], c[pg.CTRL_AUTO_ADVANCE], c[pg.CTRL_ERROR] = int(all_logits), int(auto_advance), 0
-        c[pg.CTRL_OUT_TOKEN] = -1
-        c[pg.CTRL_TOKENS:pg.CTRL_TOKENS + len(ids)] = np.asarray(ids, dtype=np.int32)
+        c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST] = mode, len(ids), past
+        c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_AUTO_ADVANCE], c[fmt.CTRL_ERROR] = int(all_logits), int(auto_advance), 0
+        c[fmt.CTRL_OUT_TOKEN] = -1
+        c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = np.asarray(ids, dtype=np.int32)
         if not self.mapped:
-            self.drv.htod(self.pointers["CTRL"], _host_address(c), 4 * (pg.CTRL_TOKENS + len(ids)), self._stream)
+            self.drv.htod(self.pointers["CTRL"], _host_address(c), 4 * (fmt.CTRL_TOKENS + len(ids)), self._stream)
 
     def _read_ctrl_back(self) -> None:
         """ctrl="device": queue the copy of the kernel's CTRL words back to the host view."""
         if not self.mapped:
-            self.drv.dtoh(_host_address(self.ctrl), self.pointers["CTRL"], 4 * self.pg.CTRL_TOKENS + 4, self._stream)
+            self.drv.dtoh(_host_address(self.ctrl), self.pointers["CTRL"], 4 * fmt.CTRL_TOKENS + 4, self._stream)
 
     def _launch_kernel(self) -> None:
         cfg = self.config
         self.drv.launch(self.fn, cfg.grid, cfg.block, cfg.shared, self._stream, self.params.address)
 
     def _check(self) -> None:
-        pg = self.pg
-        err = int(self.ctrl[pg.CTRL_ERROR])
+        err = int(self.ctrl[fmt.CTRL_ERROR])
         if err:
             raise CudaError(f"the megakernel raised error flags {err} (a wait timed out)")
         if self.debug:
@@ -652,7 +650,7 @@ class CudaBackend:
             self.drv.dtoh(_host_address(self._logits_host), src, 4 * rows * self.logits_cols, self._stream)
         self.drv.sync(self._stream)
         self._check()
-        tok = int(self.ctrl[self.pg.CTRL_OUT_TOKEN])
+        tok = int(self.ctrl[fmt.CTRL_OUT_TOKEN])
         if not want_logits:
             return tok, None
         return tok, self._logits_host[:rows * self.logits_cols].reshape(rows, self.logits_cols).copy()
@@ -661,13 +659,12 @@ class CudaBackend:
         """n greedy decode steps from `token` at cache position `past`, one host synchronisation.
         Returns the n new tokens (the caller checks past + n <= max_seq; eos is not checked).
         `graph=True` replays a CUDA graph of the n launches (captured on first use per n)."""
-        pg = self.pg
         max_seq = int(self.manifest["model"]["max_seq"])
         if n < 1 or past + n > max_seq:
             raise CudaError(f"decode_chain: {n} steps from position {past} exceed max_seq={max_seq}")
         self.drv.activate()
-        self._write_ctrl(pg.MODE_DECODE, [token], past, False, auto_advance=True)
-        out_token = self.pointers["CTRL"] + 4 * pg.CTRL_OUT_TOKEN
+        self._write_ctrl(fmt.MODE_DECODE, [token], past, False, auto_advance=True)
+        out_token = self.pointers["CTRL"] + 4 * fmt.CTRL_OUT_TOKEN
         if graph:
             g = self._graphs.get(n)
             if g is None:
@@ -688,7 +685,7 @@ class CudaBackend:
         self.drv.dtoh(_host_address(self._hist_host), self._hist, 4 * n, self._stream)
         self._read_ctrl_back()
         self.drv.sync(self._stream)
-        self.ctrl[pg.CTRL_AUTO_ADVANCE] = 0
+        self.ctrl[fmt.CTRL_AUTO_ADVANCE] = 0
         self._check()  # the next launch rewrites CTRL (auto-advance off) in either ctrl mode
         return [int(t) for t in self._hist_host[:n]]
 

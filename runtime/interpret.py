@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from zlc import bundle as fmt
 from zlc.errors import ZlcError
 
 
@@ -128,10 +129,8 @@ class _KernelState:
         import torch
         from safetensors.torch import load_file
 
-        from zlc.artifact import read_manifest
-        from zlc.codegen import program as pg
+        from zlc.bundle import read_manifest
 
-        self.pg = pg
         man = read_manifest(bundle)
         k = man["kernel"]
         spec = importlib.util.spec_from_file_location("zlc_bundle_kernel", bundle / k["source"])
@@ -162,18 +161,17 @@ class _KernelState:
                want_logits: bool) -> tuple[int, np.ndarray | None]:
         import torch
 
-        pg = self.pg
         c = self.CTRL
-        c[pg.CTRL_MODE], c[pg.CTRL_T], c[pg.CTRL_PAST] = mode, len(ids), past
-        c[pg.CTRL_ALL_LOGITS], c[pg.CTRL_ERROR] = int(all_logits), 0
-        c[pg.CTRL_TOKENS:pg.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST] = mode, len(ids), past
+        c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_ERROR] = int(all_logits), 0
+        c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
         self.fn[(self.grid,)](self.TASKS, self.DI, self.DF, self.CTRL, self.CNT, self.W, self.P, self.A,
                               **self.constexprs)
-        if int(c[pg.CTRL_ERROR]):
-            raise ZlcError(f"the megakernel raised error flags {int(c[pg.CTRL_ERROR])} (a wait timed out)")
+        if int(c[fmt.CTRL_ERROR]):
+            raise ZlcError(f"the megakernel raised error flags {int(c[fmt.CTRL_ERROR])} (a wait timed out)")
         if int(self.CNT.abs().sum()):
             raise ZlcError("the megakernel did not reset its counters")
-        tok = int(c[pg.CTRL_OUT_TOKEN])
+        tok = int(c[fmt.CTRL_OUT_TOKEN])
         if not want_logits:
             return tok, None
         lg = self.logits

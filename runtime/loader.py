@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zlc.artifact import read_manifest
+from zlc.bundle import read_manifest
 from zlc.errors import ZlcError
 
 from .megakernel import MegakernelSession

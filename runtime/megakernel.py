@@ -84,7 +84,7 @@ class MegakernelSession:
     def stream(self, prompt_ids: list[int], max_new_tokens: int, *, eos: int | list[int] | None = None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Iterator[int]:
         """Yields new tokens as they are produced; greedy unless temperature > 0."""
-        from .session import sample
+        from zlc.reference.sampling import sample
 
         if max_new_tokens < 1:
             return

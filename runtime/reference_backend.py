@@ -24,8 +24,7 @@ import torch
 from zlc.errors import ZlcError
 from zlc.ir import DType
 from zlc.ir.text import parse_graph
-
-from .reference import ReferenceExecutor
+from zlc.reference.executor import ReferenceExecutor
 
 # A constant without inline data (`const %name: f32[256, 64]`): its data comes from the arenas.
 _WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\]\s*$", re.M)

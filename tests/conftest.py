@@ -23,7 +23,7 @@ def tiny_onnx() -> Path:
     """The example's random-weight tiny Llama (2 layers, vocab 256) as a stateless opset-20 ONNX
     file, from the zoo's cache ($ZLC_CACHE_DIR; exported on first use, ~45 s). Read-only."""
     pytest.importorskip("transformers", reason="exporting the tiny model needs the 'hf' extra")
-    from zlc import zoo
+    from zlc.testing import zoo
 
     return zoo.cached("stateless", "llama", 20)
 
@@ -46,7 +46,7 @@ MODEL = "llama-chat"
 def chat_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers", reason="exporting the tiny model needs the 'hf' extra")
     import zlc
-    from zlc import zoo
+    from zlc.testing import zoo
 
     onnx_path = zoo.cached("stateless", "llama-chat", 20)
     root = tmp_path_factory.mktemp("serve")

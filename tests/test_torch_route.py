@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("transformers")
 
 import zlc  # noqa: E402
-from zlc import zoo  # noqa: E402
-from zlc.runtime.session import ReferenceSession  # noqa: E402
+from zlc.reference.session import ReferenceSession  # noqa: E402
+from zlc.testing import zoo  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the model zoo needs the 'hf' extra")
 
-from zlc import zoo  # noqa: E402
+from zlc.testing import zoo  # noqa: E402
 from zlc.verifier import verify  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "phi3", "gemma"]

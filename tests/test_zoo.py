@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from zlc import zoo  # noqa: E402
+from zlc.testing import zoo  # noqa: E402
 
 TOL = 1e-4
 

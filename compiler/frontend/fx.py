@@ -31,9 +31,9 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from ..errors import IRError, ModelFormatError, UnsupportedOpError, ZlcError
-from ..ir import Graph, Value, verify_graph
-from ..ir.types import Dim, DType, TensorType
+from zlc.errors import IRError, ModelFormatError, UnsupportedOpError, ZlcError
+from zlc.ir import Graph, Value, verify_graph
+from zlc.ir.types import Dim, DType, TensorType
 
 SEQ = "seq"
 INT64_MAX = 2**63 - 1

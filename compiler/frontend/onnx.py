@@ -13,9 +13,10 @@ import onnx
 import onnx_ir
 import torch
 
-from ..errors import IRError, ModelFormatError, ShapeError, UnsupportedOpError, ZlcError
-from ..ir import Graph, Value, verify_graph
-from ..ir.types import Dim, DType, TensorType
+from zlc.errors import IRError, ModelFormatError, ShapeError, UnsupportedOpError, ZlcError
+from zlc.ir import Graph, Value, verify_graph
+from zlc.ir.types import Dim, DType, TensorType
+
 from . import onnx_contrib, onnx_ops  # noqa: F401  (register the converters)
 from .registry import ONNX_OPS
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..ir import Value
-from ..ir.types import DType
+from zlc.ir import Value
+from zlc.ir.types import DType
+
 from .onnx_ops import (
     AttentionSpec,
     _i64,

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFormatError
-from ..ir import Value
-from ..ir.types import DType
+from zlc.errors import ModelFormatError
+from zlc.ir import Value
+from zlc.ir.types import DType
+
 from .registry import onnx_op
 
 Cx = Any  # OnnxContext (imported lazily to avoid a cycle)

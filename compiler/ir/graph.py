@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import IRError
+from zlc.errors import IRError
+
 from .types import Dim, DType, TensorType
 
 ConstData = "np.ndarray | torch.Tensor"

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeError
+from zlc.errors import ShapeError
+
 from .graph import Node, Value
 from .types import Dim, DType, TensorType
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import IRError
+from zlc.errors import IRError
+
 from .graph import Graph, Node, Value
 from .types import Dim, DType, TensorType
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import IRError, ShapeError
+from zlc.errors import IRError, ShapeError
+
 from .graph import Graph
 from .ops import OPS, infer_types
 from .types import TensorType

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zlc import zoo
+from zlc.testing import zoo
 
 log = logging.getLogger("smollm2")
 

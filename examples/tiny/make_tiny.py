@@ -16,7 +16,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "tiny-llama.onnx"
 
 def export_tiny(out: Path = DEFAULT_OUT, *, seed: int = 0, opset: int = 20) -> Path:
     """Writes the tiny model to `out` (parent folders created) and returns its path."""
-    from zlc import zoo
+    from zlc.testing import zoo
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

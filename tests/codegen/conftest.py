@@ -18,7 +18,7 @@ def lower_model() -> Lower:
     """`lower_model(kind, family, opset, max_seq=64)`: `zoo.cached(kind, family, opset)` lowered
     (once per session; read-only)."""
     import zlc
-    from zlc import zoo
+    from zlc.testing import zoo
 
     cache: dict[tuple[str, str, int | None, int], Any] = {}
 
@@ -38,7 +38,7 @@ def write_program_bundle(src: Path, dst: Path, program: Any) -> Path:
     program uses, e.g. the split-KV combine), the task tables, constexprs, grid and arena layout
     (a_size, logits offset, counter sizes all depend on the tiling). Weights stay: their placement
     does not depend on the tiling, which this checks."""
-    from zlc.artifact import read_manifest, write_manifest
+    from zlc.bundle import read_manifest, write_manifest
     from zlc.codegen.emit import render
     from zlc.codegen.shuffle import write_tables
 

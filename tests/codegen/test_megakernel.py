@@ -22,17 +22,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zlc
-from zlc import zoo
+from zlc import bundle as fmt
 from zlc.codegen import program as pg
 from zlc.codegen.program import Task
 from zlc.codegen.schedule import schedule, signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
 from zlc.errors import ZlcError
+from zlc.reference.session import ReferenceSession
 from zlc.runtime.interpret import InterpretBackend
 from zlc.runtime.megakernel import MegakernelSession
-from zlc.runtime.session import ReferenceSession
 from zlc.targets import get_target
+from zlc.testing import zoo
 
 pytest.importorskip("triton")
 
@@ -148,7 +149,7 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
     t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0)
     p = b.program(t)
     validate_program(p)
-    assert sum(x.op == pg.OP_ATTN_COMBINE for x in p.tables["decode"]) == 2 * 4  # layers x heads
+    assert sum(x.op == fmt.OP_ATTN_COMBINE for x in p.tables["decode"]) == 2 * 4  # layers x heads
     path = program_bundle(b.path, work / "split.zlc", p)
     prompt = [(11 * i + 5) % b.vocab for i in range(37)]
     with b.session(path) as s:
@@ -178,8 +179,8 @@ def _guarded_read(tasks: list[Task]) -> tuple[int, int]:
     """(task, wait) of the first layer's first attention task and its wait on the q projection:
     without it, attention reads q before it is written."""
     sig = signalers(tasks)
-    i = next(k for k, t in enumerate(tasks) if t.op == pg.OP_ATTENTION)
-    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == pg.OP_LINEAR for j in sig[e]))
+    i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
+    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
     return i, w
 
 
@@ -211,7 +212,7 @@ def test_debug_build_reports_a_wait_timeout(built: Callable[..., Built], work: P
     b = built("llama")
     p = b.program()
     pre = copy.deepcopy(p.tables["prefill"])
-    t = next(t for t in pre if t.op == pg.OP_ARGMAX)
+    t = next(t for t in pre if t.op == fmt.OP_ARGMAX)
     e, target = t.waits[0]
     t.waits[0] = (e, target + 1)
     with pytest.raises(TableError, match="argmax"):

@@ -13,13 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from zlc import bundle as fmt
+from zlc.bundle import OP_NAMES
 from zlc.codegen import program as pg
-from zlc.codegen.program import OP_NAMES, Program, Region, Task, Tiling
+from zlc.codegen.program import Program, Region, Task, Tiling
 from zlc.codegen.schedule import schedule, signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
 from zlc.targets import get_target
-from zlc.zoo import FAMILIES
+from zlc.testing.zoo import FAMILIES
 
 TILINGS = ("cpu", "h100")
 MODELS = {  # id -> (zoo kind, family, opset): every frontend route, MHA/GQA, LayerNorm/RMSNorm
@@ -104,7 +106,7 @@ def test_tasks_per_projection(tiny_lowered: Any, target: str) -> None:
     assert len(ops) == 4 * _llama_dims()["layers"] + 2 * _llama_dims()["layers"] + 1
     for mode in ("prefill", "decode"):
         for name, cols in ops:
-            mine = [t for t in p.tables[mode] if t.op == pg.OP_LINEAR and t.label.startswith(f"{name}[")]
+            mine = [t for t in p.tables[mode] if t.op == fmt.OP_LINEAR and t.label.startswith(f"{name}[")]
             assert len(mine) == _linear_tasks(cols, p.tiling), (mode, name)
             covered = sorted((t.a, t.b) for t in mine)
             assert covered[0][0] == 0 and covered[-1][1] == cols
@@ -127,7 +129,7 @@ def test_norms_are_fused_into_linears(lower_model: Any, name: str) -> None:
         p = _program(lowered, target)
         for mode, tasks in p.tables.items():
             assert not any(t.label.split("[")[0] in norms for t in tasks)
-            linear_descs = sorted({t.desc for t in tasks if t.op == pg.OP_LINEAR})
+            linear_descs = sorted({t.desc for t in tasks if t.op == fmt.OP_LINEAR})
             normed = [d for d in linear_descs if p.desc_int[d][10] != pg.NORM_NONE]
             assert len(normed) == len(consumers), (target, mode)
             want = pg.NORM_LAYER if name == "gpt2" else pg.NORM_RMS
@@ -140,7 +142,7 @@ def test_every_table_validates(lower_model: Any, name: str, target: str) -> None
     p = _program(lower_model(*MODELS[name]), target)
     validate_program(p)
     for tasks in p.tables.values():
-        assert all(len(t.waits) <= pg.MAX_WAITS for t in tasks)
+        assert all(len(t.waits) <= fmt.MAX_WAITS for t in tasks)
 
 
 def test_split_kv_for_long_contexts(lower_model: Any) -> None:
@@ -154,7 +156,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
     assert S >= 2
     dec = p.tables["decode"]
     assert _hist(dec) == _expected_hist(p.tiling, "decode")
-    combines = [i for i, t in enumerate(dec) if t.op == pg.OP_ATTN_COMBINE]
+    combines = [i for i, t in enumerate(dec) if t.op == fmt.OP_ATTN_COMBINE]
     assert len(combines) == m["layers"] * m["hq"]
     sig = signalers(dec)
     for i in combines:
@@ -162,7 +164,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
         layer = t.label.split(".combine")[0]
         deps = {j for e, _ in t.waits for j in sig[e]}
         assert {dec[j].label for j in deps} == {f"{layer}.attention[h{t.a},s{s}]" for s in range(S)}
-    assert not any(t.op == pg.OP_ATTN_COMBINE for t in p.tables["prefill"])
+    assert not any(t.op == fmt.OP_ATTN_COMBINE for t in p.tables["prefill"])
     for target, seq in (("cpu", 1024), ("h100", 64)):  # no split: the interpreter, or short contexts
         q = _program(lower_model(*MODELS["llama"], seq), target)
         assert q.tiling.kv_splits == 1
@@ -173,7 +175,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
 
 def _task(label: str, *, waits: tuple[tuple[int, int], ...] = (), signal: int = -1, target: int = 0,
           parent: int = -1, reads: tuple[Region, ...] = (), writes: tuple[Region, ...] = ()) -> Task:
-    return Task(pg.OP_LINEAR, 0, waits=list(waits), signal=signal, signal_target=target, parent=parent,
+    return Task(fmt.OP_LINEAR, 0, waits=list(waits), signal=signal, signal_target=target, parent=parent,
                 reads=list(reads), writes=list(writes), label=label)
 
 
@@ -251,8 +253,8 @@ def test_validator_event_nobody_signals() -> None:
 
 
 def test_validator_too_many_waits() -> None:
-    ps = [_task(f"p{i}", signal=i, target=1, writes=(Region("x", i, i + 1),)) for i in range(pg.MAX_WAITS + 1)]
-    c = _task("greedy", waits=tuple((i, 1) for i in range(pg.MAX_WAITS + 1)), reads=(Region("x", 0, 8),))
+    ps = [_task(f"p{i}", signal=i, target=1, writes=(Region("x", i, i + 1),)) for i in range(fmt.MAX_WAITS + 1)]
+    c = _task("greedy", waits=tuple((i, 1) for i in range(fmt.MAX_WAITS + 1)), reads=(Region("x", 0, 8),))
     with pytest.raises(TableError, match=r"\(greedy\) has 4 waits"):
         validate_tasks([*ps, c])
 

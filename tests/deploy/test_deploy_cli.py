@@ -19,7 +19,7 @@ from deploy_helpers import FAKE_INTERRUPTS, compile_tiny, copy_bundle, fake_proc
 
 import zlc
 from zlc import cli, deploy
-from zlc.artifact import read_manifest
+from zlc.bundle import read_manifest
 from zlc.deploy import format_cpulist
 
 

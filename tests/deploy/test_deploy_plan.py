@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zlc import deploy
-from zlc.artifact import BundleError, read_manifest
+from zlc.bundle import BundleError, read_manifest
 from zlc.deploy import DeployError, PlanOptions, Topology, format_cpulist, parse_cpulist
 
 MACHINE = Topology.from_json(synthetic_topology())  # 2 sockets x 32 cores x 2 threads, 8 GPUs

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from zlc.runtime import frames
+from zlc.runtime.serve import frames
 
 CLIENT = Path(__file__).with_name("xdp_client.py")
 SERVER_IP, CLIENT_IP, PORT = "10.201.0.1", "10.201.0.2", 9000
@@ -34,7 +34,7 @@ def _why_not() -> str | None:
         return "needs root (network namespaces, BPF)"
     if shutil.which("ip") is None:
         return "needs iproute2's `ip`"
-    from zlc import ebpf
+    from zlc.deploy import ebpf
 
     if ebpf.find_clang() is None:
         return "needs clang (apt install clang libbpf-dev)"
@@ -75,7 +75,7 @@ def netns() -> Iterator[tuple[str, str, str]]:
 def xdp_bundle(src: Path, dest: Path, ring_bytes: int, max_tokens: int = 1024) -> Path:
     """A copy of the chat bundle with its XDP program rebuilt for these record and ring sizes
     (small rings make overload easy to reach)."""
-    from zlc import ebpf
+    from zlc.deploy import ebpf
 
     shutil.copytree(src, dest)
     built = ebpf.build_into_bundle(dest, ring_bytes=ring_bytes, max_tokens=max_tokens)
@@ -121,7 +121,7 @@ def value(text: str, name: str, **labels: str) -> float:
 
 
 def test_the_verifier_accepts_the_program(tmp_path: Path) -> None:
-    from zlc import ebpf
+    from zlc.deploy import ebpf
 
     built = ebpf.build(tmp_path)
     assert built.object is not None, built.reason

@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-from zlc.runtime import frames
+from zlc.runtime.serve import frames
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from zlc.frontend.fx import (
     supported_ops,
 )
 from zlc.ir import Graph, parse_graph, print_graph, verify_graph
-from zlc.runtime import run_graph
+from zlc.reference.executor import run_graph
 
 TOL = 1e-4
 EXPORT_T = 8

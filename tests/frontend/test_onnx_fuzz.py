@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from zlc.errors import ModelFormatError, UnsupportedOpError, ZlcError
 from zlc.frontend.onnx import import_onnx
 from zlc.ir import DType, Graph
-from zlc.runtime import ReferenceExecutor
+from zlc.reference.executor import ReferenceExecutor
 
 FUZZ = settings(max_examples=int(os.environ.get("ZLC_FUZZ_EXAMPLES", "150")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

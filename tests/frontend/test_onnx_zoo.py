@@ -12,9 +12,9 @@ import onnx
 import pytest
 
 from zlc.frontend.onnx import import_onnx, sanitize
-from zlc.runtime import ReferenceExecutor
+from zlc.reference.executor import ReferenceExecutor
 
-zoo = pytest.importorskip("zlc.zoo")
+zoo = pytest.importorskip("zlc.testing.zoo")
 pytest.importorskip("transformers", reason="exporting zoo models needs the 'hf' extra")
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from onnx.backend.base import Backend, BackendRep
 
 from zlc.frontend.onnx import import_onnx, sanitize
 from zlc.ir import Graph
-from zlc.runtime import ReferenceExecutor
+from zlc.reference.executor import ReferenceExecutor
 
 _REDUCE = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
            "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp")

@@ -7,7 +7,7 @@ import torch
 
 from zlc.ir import parse_graph
 from zlc.passes.fold_constants import fold_constants
-from zlc.runtime import run_graph
+from zlc.reference.executor import run_graph
 
 W = np.arange(12 * 8, dtype=np.float32).reshape(12, 8)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from zlc.ir import DType, Graph, TensorType, Value, verify_graph
 from zlc.passes import Canonicalize, CommonSubexpressionElimination, DeadCodeElimination, FoldConstants
 from zlc.passes.base import run_passes
-from zlc.runtime import run_graph
+from zlc.reference.executor import run_graph
 
 UNARY = ["Neg", "Abs", "Tanh", "Sigmoid", "Relu", "Identity"]
 KINDS = ["unary", "neg_neg", "cast", "binary_const", "binary_pool", "reshape", "reshape_shape",

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from zlc.ir import DType, Graph, TensorType, verify_graph
 from zlc.passes.kv_cache import synthesize_kv_cache
 from zlc.passes.raise_all import raise_graph
-from zlc.runtime import ReferenceExecutor, run_graph
+from zlc.reference.executor import ReferenceExecutor, run_graph
 
 F32 = DType.f32
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import zlc
-from zlc.codegen import program as pg
+from zlc import bundle as fmt
 from zlc.errors import ZlcError
 from zlc.runtime import cuda as zc
 from zlc.runtime.megakernel import MegakernelSession
@@ -272,23 +272,23 @@ class FakeDriver:
         self._op(self._kernel, ptrs)
 
     def _kernel(self, ptrs: dict[str, int]) -> None:
-        c = np.ctypeslib.as_array((ctypes.c_int32 * (pg.CTRL_TOKENS + 1)).from_address(ptrs["CTRL"]))
-        T, past, mode = int(c[pg.CTRL_T]), int(c[pg.CTRL_PAST]), int(c[pg.CTRL_MODE])
-        toks = np.ctypeslib.as_array((ctypes.c_int32 * T).from_address(ptrs["CTRL"] + 4 * pg.CTRL_TOKENS))
+        c = np.ctypeslib.as_array((ctypes.c_int32 * (fmt.CTRL_TOKENS + 1)).from_address(ptrs["CTRL"]))
+        T, past, mode = int(c[fmt.CTRL_T]), int(c[fmt.CTRL_PAST]), int(c[fmt.CTRL_MODE])
+        toks = np.ctypeslib.as_array((ctypes.c_int32 * T).from_address(ptrs["CTRL"] + 4 * fmt.CTRL_TOKENS))
         lg = self.layout["logits"]
         rows = np.ctypeslib.as_array((ctypes.c_float * (lg["rows"] * lg["cols"])).from_address(
             ptrs["A"] + 4 * lg["offset"])).reshape(lg["rows"], lg["cols"])
         targets = [toy_next(int(toks[r]), past + r, self.vocab) for r in range(T)]
         for r in range(T):
             rows[r] = -np.abs(np.arange(lg["cols"]) - targets[r]).astype(np.float32)
-        c[pg.CTRL_OUT_TOKEN] = targets[-1]
+        c[fmt.CTRL_OUT_TOKEN] = targets[-1]
         if self.flag_error:
-            c[pg.CTRL_ERROR] |= self.flag_error
+            c[fmt.CTRL_ERROR] |= self.flag_error
         if self.leave_counters:
-            ctypes.c_int32.from_address(ptrs["CNT"] + 4 * pg.CNT_EVENTS).value = 3
-        if mode == pg.MODE_DECODE and c[pg.CTRL_AUTO_ADVANCE]:
-            c[pg.CTRL_TOKENS] = c[pg.CTRL_OUT_TOKEN]
-            c[pg.CTRL_PAST] = past + 1
+            ctypes.c_int32.from_address(ptrs["CNT"] + 4 * fmt.CNT_EVENTS).value = 3
+        if mode == fmt.MODE_DECODE and c[fmt.CTRL_AUTO_ADVANCE]:
+            c[fmt.CTRL_TOKENS] = c[fmt.CTRL_OUT_TOKEN]
+            c[fmt.CTRL_PAST] = past + 1
 
     def sync(self, stream: Any) -> None:
         self.syncs += 1
@@ -357,7 +357,7 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
         assert p["CTRL"] in drv.host  # mapped pinned host memory, not a device buffer
         assert _bytes(p["A"], 4 * lay["a_size"]) == bytes(4 * lay["a_size"])  # zeroed like the interpreter's
 
-        tok, lg = be.launch(pg.MODE_PREFILL, [5, 6, 7], 0, False, True)
+        tok, lg = be.launch(fmt.MODE_PREFILL, [5, 6, 7], 0, False, True)
         assert drv.activations >= 1
         assert tok == toy_next(7, 2, drv.vocab)
         assert lg is not None and lg.shape == (1, lay["logits"]["cols"]) and int(lg.argmax()) == tok
@@ -365,10 +365,10 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
         assert (L["grid"], L["block"], L["shared"]) == (80, 32 * 8, manifest["targets"]["a10"]["metadata"]["shared"])
         assert L["ptrs"] == p
         c = be.ctrl
-        assert (c[pg.CTRL_MODE], c[pg.CTRL_T], c[pg.CTRL_PAST], c[pg.CTRL_ALL_LOGITS]) == (0, 3, 0, 0)
-        tok2, lg2 = be.launch(pg.MODE_DECODE, [tok], 3, False, False)
+        assert (c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST], c[fmt.CTRL_ALL_LOGITS]) == (0, 3, 0, 0)
+        tok2, lg2 = be.launch(fmt.MODE_DECODE, [tok], 3, False, False)
         assert lg2 is None and tok2 == toy_next(tok, 3, drv.vocab)
-        _, all_lg = be.launch(pg.MODE_PREFILL, [1, 2], 4, True, True)
+        _, all_lg = be.launch(fmt.MODE_PREFILL, [1, 2], 4, True, True)
         assert all_lg is not None and all_lg.shape == (2, lay["logits"]["cols"])
         assert all_lg.argmax(1).tolist() == [toy_next(1, 4, drv.vocab), toy_next(2, 5, drv.vocab)]
     finally:
@@ -400,33 +400,33 @@ def test_session_and_decode_chain(bundle: Path, manifest: dict[str, Any], ctrl: 
         assert len(drv.launches) == launches + 20 and drv.graph_launches == 1
         assert be.decode_chain(first, 10, 20, graph=True) == chain  # replayed, not captured again
         assert len(drv.launches) == launches + 20 and drv.graph_launches == 2
-        assert be.ctrl[pg.CTRL_AUTO_ADVANCE] == 0
+        assert be.ctrl[fmt.CTRL_AUTO_ADVANCE] == 0
         # a plain launch after a chain does not auto-advance
-        tok, _ = be.launch(pg.MODE_DECODE, [9], 30, False, False)
-        assert tok == toy_next(9, 30, vocab) and be.ctrl[pg.CTRL_PAST] == 30
+        tok, _ = be.launch(fmt.MODE_DECODE, [9], 30, False, False)
+        assert tok == toy_next(9, 30, vocab) and be.ctrl[fmt.CTRL_PAST] == 30
         with pytest.raises(zc.CudaError, match="exceed max_seq"):
             be.decode_chain(first, 60, 10)
         with pytest.raises(zc.CudaError, match="takes 1"):
-            be.launch(pg.MODE_PREFILL, list(range(chunk + 1)), 0, False, False)
+            be.launch(fmt.MODE_PREFILL, list(range(chunk + 1)), 0, False, False)
     finally:
         be.close()
 
 
 def test_error_flag_and_counters(bundle: Path, manifest: dict[str, Any]) -> None:
     be, drv = _fake_backend(bundle, manifest)
-    drv.flag_error = pg.ERROR_WAIT_TIMEOUT
+    drv.flag_error = fmt.ERROR_WAIT_TIMEOUT
     with pytest.raises(zc.CudaError, match="error flags 1"):
-        be.launch(pg.MODE_DECODE, [1], 0, False, False)
+        be.launch(fmt.MODE_DECODE, [1], 0, False, False)
     drv.flag_error = 0
-    assert be.ctrl[pg.CTRL_ERROR] == 1
-    be.launch(pg.MODE_DECODE, [1], 0, False, False)  # the host clears ERROR before a launch
+    assert be.ctrl[fmt.CTRL_ERROR] == 1
+    be.launch(fmt.MODE_DECODE, [1], 0, False, False)  # the host clears ERROR before a launch
     drv.leave_counters = True
-    be.launch(pg.MODE_DECODE, [1], 0, False, False)  # counters are only read back in debug mode
+    be.launch(fmt.MODE_DECODE, [1], 0, False, False)  # counters are only read back in debug mode
     be.close()
     be, drv = _fake_backend(bundle, manifest, debug=True)
     drv.leave_counters = True
     with pytest.raises(zc.CudaError, match="did not reset its counters"):
-        be.launch(pg.MODE_DECODE, [1], 0, False, False)
+        be.launch(fmt.MODE_DECODE, [1], 0, False, False)
     be.close()
     be.close()  # idempotent
 

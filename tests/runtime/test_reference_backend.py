@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import zlc
-from zlc.artifact import MANIFEST
+from zlc.bundle import MANIFEST
 from zlc.errors import ZlcError
 from zlc.runtime.megakernel import MegakernelSession
 from zlc.runtime.reference_backend import ReferenceBackend
@@ -164,7 +164,7 @@ def test_missing_placement_names_the_constant_and_bundle(llama: Path, tmp_path: 
 
 def test_tied_model_matches_interpreter(tmp_path: Path) -> None:
     """gpt2 ties its LM head to the embedding."""
-    from zlc import zoo
+    from zlc.testing import zoo
 
     bundle = _compile(zoo.cached("stateless", "gpt2", 20), tmp_path / "gpt2.zlc")
     cpu = _trace(bundle, "cpu", steps=2)
@@ -176,10 +176,10 @@ def test_tied_constants_share_one_offset_and_all_resolve(tmp_path: Path) -> None
     names are listed at that offset so the bundle's IR can be rebuilt from the arenas."""
     from safetensors.torch import load_file, save_file
 
-    from zlc import zoo
     from zlc.codegen.schedule import pack_arenas, schedule, tiling_for
     from zlc.ir.text import parse_graph
     from zlc.targets import get_target
+    from zlc.testing import zoo
 
     src = _compile(zoo.cached("stateless", "gpt2", 20), tmp_path / "gpt2.zlc")
     man = json.loads((src / MANIFEST).read_text())

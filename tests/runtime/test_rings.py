@@ -1,4 +1,4 @@
-"""The request/result rings (``zlc.runtime.rings``, C in runtime/_rings.c; layout in docs/rings.md).
+"""The request/result rings (``zlc.runtime.serve.rings``, C in runtime/_rings.c; layout in docs/rings.md).
 
 - the documented byte layout, read back with struct;
 - a Hypothesis state machine against a deque model: backpressure (a full ring refuses and stays
@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from zlc.runtime import _rings
-from zlc.runtime.rings import (
+from zlc.runtime.serve import _rings
+from zlc.runtime.serve.rings import (
     Request,
     RequestFlag,
     RequestRing,
@@ -665,7 +665,7 @@ def test_attach_from_an_unrelated_process_leaves_the_segment_alone(tmp_path: Any
     """A process that attaches by name (its own resource tracker) and exits must not unlink the
     creator's segment; a file-backed region works the same way."""
     code = (
-        "import sys\nfrom zlc.runtime.rings import RingRegion, Request\n"
+        "import sys\nfrom zlc.runtime.serve.rings import RingRegion, Request\n"
         "r = RingRegion.attach(sys.argv[1])\nassert r.requests.push(Request(77, [1, 2, 3], 5))\nr.close()\n"
     )
     for name in (None, str(tmp_path / "rings.bin")):

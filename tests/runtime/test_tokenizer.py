@@ -330,7 +330,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, BundleTokeni
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    from zlc import zoo
+    from zlc.testing import zoo
 
     try:
         gguf = zoo.smollm2_gguf_path()

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
 
-from zlc import zoo  # noqa: E402
-from zlc.runtime.textstream import TextStream  # noqa: E402
+from zlc.runtime.serve.textstream import TextStream  # noqa: E402
 from zlc.runtime.tokenizer import BundleTokenizer, bundle_tokenizer  # noqa: E402
+from zlc.testing import zoo  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,22 @@
-"""The reference executor: runs any IR graph (op-level or raised, stateless, prefill or decode)
-on the CPU with PyTorch, one node at a time. It is the oracle for everything downstream, so each
-kernel is the plainest correct PyTorch expression of the op's semantics, not a fast one.
-
-State values (the compiler-owned KV cache) are tensors held by the executor and updated in place
-by the ops that write them (Attention with a cache), so a decode step sees what prefill wrote.
+"""The reference kernels: one PyTorch function per IR op (`KERNELS`), each the plainest correct
+expression of the op's semantics, not a fast one. They are the oracle for everything downstream:
+the executor runs graphs with them, constant folding and semantic probing evaluate nodes with them
+(`evaluate.py`), and the scheduler reads constants through `const_tensor`.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zlc.errors import IRError, ShapeError, ZlcError
-from zlc.ir import DType, Graph, Node, Value
+from zlc.errors import IRError, ZlcError
+from zlc.ir import DType, Node, Value
 
 Kernel = Callable[[Node, list[Any]], list[torch.Tensor]]
 KERNELS: dict[str, Kernel] = {}
@@ -531,7 +529,7 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [torch.matmul(p, v.float()).to(q.dtype)]
 
 
-# ---- executor --------------------------------------------------------------------------------
+# ---- constants -------------------------------------------------------------------------------
 
 def const_tensor(v: Value) -> torch.Tensor:
     """A constant's data as a tensor sharing its memory: weights are never copied.
@@ -549,73 +547,3 @@ def const_tensor(v: Value) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr)
-
-
-class ReferenceExecutor:
-    """Runs a graph; holds state buffers (the KV cache) across calls."""
-
-    def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None,
-                 state: dict[str, torch.Tensor] | None = None):
-        self.graph = graph
-        self.consts = {id(v): const_tensor(v) for v in graph.consts.values()}
-        self.state_dims = dict(state_shapes or {})
-        # Executors of the prefill and decode graphs share one state dict (one KV cache).
-        self.state: dict[str, torch.Tensor] = state if state is not None else {}
-        if state is None:
-            self.reset_state()
-
-    def reset_state(self) -> None:
-        for v in self.graph.state:
-            shape = []
-            for d in v.shape or ():
-                if isinstance(d, str):
-                    if d not in self.state_dims:
-                        raise ZlcError(f"state '%{v.name}' has symbolic dim '{d}'; give its size")
-                    d = self.state_dims[d]
-                shape.append(int(d))
-            self.state[v.name] = torch.zeros(shape, dtype=v.dtype.torch)
-
-    def run(self, inputs: Mapping[str, Any], *, keep: bool = False) -> dict[str, torch.Tensor]:
-        """Runs the graph. Returns outputs by name (and every intermediate value with keep=True)."""
-        g = self.graph
-        env: dict[int, torch.Tensor] = dict(self.consts)
-        for v in g.inputs:
-            if v.name not in inputs:
-                raise ZlcError(f"missing input '{v.name}' ({v.type})")
-            x = inputs[v.name]
-            t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-            if t.dtype != v.dtype.torch:
-                t = t.to(v.dtype.torch)
-            env[id(v)] = t
-        for v in g.state:
-            env[id(v)] = self.state[v.name]
-        named: dict[str, torch.Tensor] = {}
-        for node in g.nodes:
-            k = KERNELS.get(node.op)
-            if k is None:
-                raise IRError(f"reference executor has no kernel for op '{node.op}' (node '{node.name}')")
-            args = [None if v is None else env[id(v)] for v in node.inputs]
-            try:
-                outs = k(node, args)
-            except ZlcError:
-                raise
-            except Exception as e:  # a kernel failing on what it was given: report the node
-                shapes = [None if a is None else tuple(a.shape) for a in args]
-                first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ShapeError(f"node '{node.name}' ({node.op}) failed on input shapes {shapes}: "
-                                 f"{first}") from e
-            if len(outs) != len(node.outputs):
-                raise ShapeError(f"node '{node.name}' ({node.op}) produced {len(outs)} outputs, "
-                                 f"its graph node has {len(node.outputs)}")
-            for o, t in zip(node.outputs, outs, strict=True):
-                env[id(o)] = t
-                if keep:
-                    named[o.name] = t
-        for v in g.outputs:
-            named[v.name] = env[id(v)]
-        return named
-
-
-def run_graph(graph: Graph, inputs: Mapping[str, Any], **state_dims: int) -> dict[str, torch.Tensor]:
-    """One-shot convenience: run a graph with fresh state."""
-    return ReferenceExecutor(graph, state_dims).run(inputs)

@@ -2,7 +2,7 @@
 build into a BTF-carrying BPF object with `clang -target bpf`, for a bundle's deploy/ebpf/.
 
 The object is built where clang is (compile or `zlc deploy build` time); serving hosts only load it
-(runtime/xdp.py). Without clang the source is still written and the reason is reported: nothing
+(runtime/serve/xdp.py). Without clang the source is still written and the reason is reported: nothing
 pretends an object exists.
 """
 
@@ -34,7 +34,7 @@ class XdpBuild:
 
 
 def source_text() -> str:
-    return resources.files("zlc").joinpath("templates", "ebpf", SOURCE_NAME).read_text()
+    return resources.files("zlc.deploy").joinpath("templates", "ebpf", SOURCE_NAME).read_text()
 
 
 def find_clang() -> str | None:
@@ -81,7 +81,7 @@ def build_into_bundle(bundle: Path, **kw: int) -> XdpBuild:
     bundle compiled where clang was missing, or with other record/ring sizes)."""
     import tempfile
 
-    from .deploy import add_bundle_files
+    from .host import add_bundle_files
 
     with tempfile.TemporaryDirectory(prefix="zlc-ebpf-") as d:
         built = build(Path(d), **kw)

@@ -9,7 +9,7 @@ The plan splits the online CPUs into *serving* cores (isolated: one set per GPU,
 node when it has enough, whole physical cores so no two instances share a core's pipeline) and
 *housekeeping* CPUs (everything else: the kernel's timers and RCU callbacks, device interrupts,
 other processes). By default one physical core per NUMA node is kept for housekeeping, the
-cpu-partitioning convention. From that split it renders (templates/deploy/):
+cpu-partitioning convention. From that split it renders (templates/):
 
     systemd/zlc-serve@.service              what every instance shares (ExecStart, hardening, limits)
     systemd/zlc-serve@<gpu>.service.d/      per instance: CPUAffinity=, AllowedCPUs=, NUMAPolicy=bind
@@ -44,7 +44,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -52,9 +51,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .artifact import MANIFEST, read_manifest, sha256_file, verify_checksums
-from .errors import ZlcError
+from zlc import __version__
+from zlc.bundle import MANIFEST, add_files, atomic_write
+from zlc.errors import ZlcError
 
 PLAN_VERSION = 1
 DEPLOY_DIR = "deploy"
@@ -534,7 +533,7 @@ def _render(p: Plan) -> dict[str, bytes]:
 
     env = jinja2.Environment(
         loader=jinja2.FunctionLoader(
-            lambda name: resources.files("zlc").joinpath("templates", "deploy", name).read_text()),
+            lambda name: resources.files("zlc.deploy").joinpath("templates", name).read_text()),
         undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["cpus"] = format_cpulist
     env.filters["q"] = lambda v: json.dumps(v)  # JSON strings are YAML double-quoted scalars
@@ -610,44 +609,12 @@ def _safe_rel(rel: str) -> str:
     return Path(rel).as_posix()
 
 
-def _atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def add_bundle_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterable[str] = (),
                      modes: Mapping[str, int] | None = None) -> None:
-    """Writes `files` ({"deploy/...": bytes}) into a bundle and records their sha256 in its manifest,
-    after deleting the files in `remove` (and their manifest entries), so `zlc.load` still verifies
-    the bundle. The bundle's checksums are checked first: a tampered bundle is refused, never
-    re-blessed. Paths must be relative and under deploy/; modes default to 0644."""
-    root = Path(bundle)
-    man = read_manifest(root)
-    verify_checksums(root, man)
-    listed: dict[str, str] = dict(man["files"])
-    for rel in remove:
-        rel = _safe_rel(rel)
-        (root / rel).unlink(missing_ok=True)
-        listed.pop(rel, None)
-    for rel, data in files.items():
-        rel = _safe_rel(rel)
-        _atomic_write(root / rel, data, (modes or {}).get(rel, 0o644))
-        listed[rel] = sha256_file(root / rel)
-    # empty folders a removal left behind (rmdir only succeeds on empty ones)
-    for d in sorted({(root / r).parent for r in remove}, key=lambda d: -len(d.parts)):
-        while d != root and d.is_dir() and not any(d.iterdir()):
-            d.rmdir()
-            d = d.parent
-    man["files"] = dict(sorted(listed.items()))
-    _atomic_write(root / MANIFEST, (json.dumps(man, indent=1) + "\n").encode())
+    """Writes `files` ({"deploy/...": bytes}) into a bundle, registered in its manifest (see
+    `zlc.bundle.add_files`), after removing `remove`. Paths must be relative and under deploy/."""
+    add_files(bundle, {_safe_rel(r): d for r, d in files.items()}, remove=[_safe_rel(r) for r in remove],
+              modes=modes)
 
 
 def write(p: Plan, bundle: Path | str) -> list[str]:
@@ -672,7 +639,7 @@ def write_dir(p: Plan, out: Path | str) -> list[Path]:
     out = Path(out)
     paths = []
     for rel, data in p.files.items():
-        _atomic_write(out / rel, data, 0o755 if rel in EXECUTABLE else 0o644)
+        atomic_write(out / rel, data, 0o755 if rel in EXECUTABLE else 0o644)
         paths.append(out / rel)
     return paths
 

@@ -206,7 +206,7 @@ class Engine:
 
 
 # --------------------------------------------------------------------------------------------------
-# the engine process: `python -m zlc.runtime.engine ...`, started by `zlc serve`
+# the engine process: `python -m zlc.runtime.serve.engine ...`, started by `zlc serve`
 
 
 def _die_with_parent() -> None:
@@ -222,7 +222,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zlc.runtime.engine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m zlc.runtime.serve.engine", description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--region", required=True, help="shared-memory name of the ring region")
@@ -242,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     try:
-        import zlc
+        from zlc.runtime.loader import load
 
-        bundle = zlc.load(args.bundle)
+        bundle = load(args.bundle)
         session = bundle.session(args.device)
         region = RingRegion.attach(args.region)
         if args.device == "cpu":  # warm the interpreter (first launch imports and traces)

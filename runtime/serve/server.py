@@ -163,10 +163,10 @@ class FrameReply:
 
 class Server:
     def __init__(self, bundle_path: str, options: ServeOptions | None = None):
-        import zlc
+        from zlc.runtime.loader import load
 
         self.options = o = options or ServeOptions()
-        self.bundle = zlc.load(bundle_path)
+        self.bundle = load(bundle_path)
         self.model = o.model_name or self.bundle.name
         self.max_seq = self.bundle.max_seq
         self.tokenizer = self.bundle.tokenizer

@@ -2,7 +2,7 @@
 ids, request id, sampling parameters, max tokens), results out (request id, token id, flags), both
 in one shared-memory region with a fixed, documented layout (docs/rings.md) that a GPU can map.
 
-The ring operations are C (``zlc.runtime._rings``, C11 acquire/release atomics): this module
+The ring operations are C (``zlc.runtime.serve._rings``, C11 acquire/release atomics): this module
 wraps them in dataclasses, region lifetimes (POSIX shared memory, a file, an anonymous mapping, or
 any writable buffer) and blocking helpers that spin, then back off to sleeping.
 

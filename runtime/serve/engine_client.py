@@ -45,7 +45,7 @@ class EngineClient:
     def start(self, timeout_s: float = 600.0) -> None:
         """Starts the engine and waits until it has loaded the bundle (blocking)."""
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "zlc.runtime.engine", self.bundle, "--device", self.device,
+        cmd = [sys.executable, "-m", "zlc.runtime.serve.engine", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
                "--spin-us", str(self.spin_us), "--threads", str(self.threads)]

@@ -14,17 +14,46 @@
 
 `load()` refuses a bundle whose format version it does not know or whose files do not match
 their checksums: a tampered or half-copied bundle never reaches a GPU.
+
+This module is the whole format: the files and their checksums, and the encoding of the task
+tables and the control block that the kernel and every executor share. Codegen writes it,
+executors read it; neither imports the other.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from .errors import ZlcError
+
+# ---- op kinds (the dispatch chain's numbering) ---------------------------------------------
+OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX = range(6)
+OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax")
+
+# ---- table geometry --------------------------------------------------------------------------
+TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad
+MAX_WAITS = 3
+DESC_WORDS = 16  # int64 fields per descriptor
+DESC_FLOATS = 4  # f32 fields per descriptor
+HEADER_WORDS = 16  # TASKS[0:16]: n_prefill, base_prefill, n_decode, base_decode, n_events, ...
+
+# ---- control block (CTRL, int32) -------------------------------------------------------------
+CTRL_MODE, CTRL_T, CTRL_PAST, CTRL_OUT_TOKEN, CTRL_ERROR, CTRL_ALL_LOGITS, CTRL_AUTO_ADVANCE = range(7)
+CTRL_TOKENS = 16  # tokens of this step start here
+MODE_PREFILL, MODE_DECODE = 0, 1
+ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or lost signal)
+
+# ---- counters (CNT, int32) -------------------------------------------------------------------
+CNT_QUEUE, CNT_EXIT = 0, 1
+CNT_EVENTS = 16  # event e lives at CNT[16 + e]
+
+# ---- files ----------------------------------------------------------------------------------
 
 FORMAT = "zlc-bundle"
 FORMAT_VERSION = 1
@@ -91,3 +120,46 @@ def verify_checksums(root: Path, man: dict[str, Any]) -> None:
              if p.relative_to(root).as_posix() not in files]
     if extra:
         raise BundleError(f"{root}: {extra[0]} is not listed in the manifest (the bundle was modified)")
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Writes a file so that a reader sees the old content or the new, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def add_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterable[str] = (),
+              modes: Mapping[str, int] | None = None) -> None:
+    """Writes `files` ({relative path: bytes}) into a finished bundle and records their sha256 in
+    its manifest, after deleting the files in `remove` (and their manifest entries), so `zlc.load`
+    still verifies the bundle. The bundle's checksums are checked first: a tampered bundle is
+    refused, never re-blessed. Modes default to 0644."""
+    root = Path(bundle)
+    man = read_manifest(root)
+    verify_checksums(root, man)
+    listed: dict[str, str] = dict(man["files"])
+    for rel in [*remove, *files]:
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts or rel == MANIFEST:
+            raise BundleError(f"not a path inside a bundle: {rel!r}")
+    for rel in remove:
+        (root / rel).unlink(missing_ok=True)
+        listed.pop(rel, None)
+    for rel, data in files.items():
+        atomic_write(root / rel, data, (modes or {}).get(rel, 0o644))
+        listed[rel] = sha256_file(root / rel)
+    # empty folders a removal left behind (rmdir only succeeds on empty ones)
+    for d in sorted({(root / r).parent for r in remove}, key=lambda d: -len(d.parts)):
+        while d != root and d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+            d = d.parent
+    man["files"] = dict(sorted(listed.items()))
+    atomic_write(root / MANIFEST, (json.dumps(man, indent=1) + "\n").encode())

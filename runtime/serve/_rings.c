@@ -4,7 +4,7 @@
  * The ring operations live here, in C with C11 <stdatomic.h>, because Python has no memory
  * fences: a producer must publish a slot's contents before the counter that makes it visible
  * (release), and a consumer must read the counter before the slot (acquire). The Python side
- * (runtime/rings.py) only wraps these in dataclasses and blocking helpers. docs/rings.md has the
+ * (runtime/serve/rings.py) only wraps these in dataclasses and blocking helpers. docs/rings.md has the
  * same layout with the reasoning behind it.
  *
  * REGION LAYOUT (all integers little-endian, host byte order; offsets in bytes from the region's
@@ -1136,7 +1136,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef rings_module = {
-    PyModuleDef_HEAD_INIT, .m_name = "zlc.runtime._rings",
+    PyModuleDef_HEAD_INIT, .m_name = "zlc.runtime.serve._rings",
     .m_doc = "SPSC request/result rings in a shared region, with C11 acquire/release (see docs/rings.md).",
     .m_size = -1, .m_methods = module_methods,
 };

@@ -98,7 +98,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # heavy imports stay lazy: importing zlc.zoo must not import torch/transformers
+if TYPE_CHECKING:  # heavy imports stay lazy: importing zlc.testing.zoo must not import torch/transformers
     import torch
 
 log = logging.getLogger(__name__)

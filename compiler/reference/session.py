@@ -11,7 +11,8 @@ import torch
 from zlc.errors import ZlcError
 from zlc.ir import Graph
 
-from .reference import ReferenceExecutor
+from .executor import ReferenceExecutor
+from .sampling import sample
 
 
 class ReferenceSession:
@@ -70,15 +71,3 @@ class ReferenceSession:
                 break
             logits = self.step(tok)
         return out
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    if temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / temperature, -1)
-    if top_p < 1.0:
-        sp, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sp, 0) - sp < top_p
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], sp[keep])
-        probs /= probs.sum()
-    return int(torch.multinomial(probs, 1, generator=gen))

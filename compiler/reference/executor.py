@@ -1,0 +1,90 @@
+"""The reference executor: runs any IR graph (op-level or raised, stateless, prefill or decode)
+on the CPU with PyTorch, one node at a time, through the kernels of `kernels.py`. It is the oracle
+for everything downstream.
+
+State values (the compiler-owned KV cache) are tensors held by the executor and updated in place
+by the ops that write them (Attention with a cache), so a decode step sees what prefill wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from zlc.errors import IRError, ShapeError, ZlcError
+from zlc.ir import Graph
+
+from .kernels import KERNELS, const_tensor
+
+
+class ReferenceExecutor:
+    """Runs a graph; holds state buffers (the KV cache) across calls."""
+
+    def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None,
+                 state: dict[str, torch.Tensor] | None = None):
+        self.graph = graph
+        self.consts = {id(v): const_tensor(v) for v in graph.consts.values()}
+        self.state_dims = dict(state_shapes or {})
+        # Executors of the prefill and decode graphs share one state dict (one KV cache).
+        self.state: dict[str, torch.Tensor] = state if state is not None else {}
+        if state is None:
+            self.reset_state()
+
+    def reset_state(self) -> None:
+        for v in self.graph.state:
+            shape = []
+            for d in v.shape or ():
+                if isinstance(d, str):
+                    if d not in self.state_dims:
+                        raise ZlcError(f"state '%{v.name}' has symbolic dim '{d}'; give its size")
+                    d = self.state_dims[d]
+                shape.append(int(d))
+            self.state[v.name] = torch.zeros(shape, dtype=v.dtype.torch)
+
+    def run(self, inputs: Mapping[str, Any], *, keep: bool = False) -> dict[str, torch.Tensor]:
+        """Runs the graph. Returns outputs by name (and every intermediate value with keep=True)."""
+        g = self.graph
+        env: dict[int, torch.Tensor] = dict(self.consts)
+        for v in g.inputs:
+            if v.name not in inputs:
+                raise ZlcError(f"missing input '{v.name}' ({v.type})")
+            x = inputs[v.name]
+            t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+            if t.dtype != v.dtype.torch:
+                t = t.to(v.dtype.torch)
+            env[id(v)] = t
+        for v in g.state:
+            env[id(v)] = self.state[v.name]
+        named: dict[str, torch.Tensor] = {}
+        for node in g.nodes:
+            k = KERNELS.get(node.op)
+            if k is None:
+                raise IRError(f"reference executor has no kernel for op '{node.op}' (node '{node.name}')")
+            args = [None if v is None else env[id(v)] for v in node.inputs]
+            try:
+                outs = k(node, args)
+            except ZlcError:
+                raise
+            except Exception as e:  # a kernel failing on what it was given: report the node
+                shapes = [None if a is None else tuple(a.shape) for a in args]
+                first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ShapeError(f"node '{node.name}' ({node.op}) failed on input shapes {shapes}: "
+                                 f"{first}") from e
+            if len(outs) != len(node.outputs):
+                raise ShapeError(f"node '{node.name}' ({node.op}) produced {len(outs)} outputs, "
+                                 f"its graph node has {len(node.outputs)}")
+            for o, t in zip(node.outputs, outs, strict=True):
+                env[id(o)] = t
+                if keep:
+                    named[o.name] = t
+        for v in g.outputs:
+            named[v.name] = env[id(v)]
+        return named
+
+
+def run_graph(graph: Graph, inputs: Mapping[str, Any], **state_dims: int) -> dict[str, torch.Tensor]:
+    """One-shot convenience: run a graph with fresh state."""
+    return ReferenceExecutor(graph, state_dims).run(inputs)
