@@ -27,8 +27,7 @@ from .errors import (
     VerificationError,
     ZlcError,
 )
-
-__version__ = "0.1.0"
+from .version import __version__
 
 # public name -> (module, attribute), resolved on first access
 _LAZY: dict[str, tuple[str, str]] = {

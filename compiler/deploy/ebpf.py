@@ -81,7 +81,7 @@ def build_into_bundle(bundle: Path, **kw: int) -> XdpBuild:
     bundle compiled where clang was missing, or with other record/ring sizes)."""
     import tempfile
 
-    from .host import add_bundle_files
+    from .files import add_bundle_files
 
     with tempfile.TemporaryDirectory(prefix="zlc-ebpf-") as d:
         built = build(Path(d), **kw)

@@ -21,6 +21,7 @@ import zlc
 from zlc import cli, deploy
 from zlc.bundle import read_manifest
 from zlc.deploy import format_cpulist
+from zlc.deploy import host as deploy_host
 
 
 def zlc_cli(*args: Any, env: dict[str, str] | None = None) -> Result:
@@ -235,7 +236,7 @@ def test_apply_refuses_without_root(bundle: Path, monkeypatch: pytest.MonkeyPatc
     build_for_this_host(bundle)
     if all(sysctls_now()[k].strip() == v for k, (v, _) in deploy.SYSCTLS.items()):
         pytest.skip("this host already has every planned sysctl: nothing to refuse")
-    monkeypatch.setattr(deploy.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(deploy_host.os, "geteuid", lambda: 1000)
     line = assert_one_error_line(zlc_cli("deploy", "apply", bundle, "--only", "sysctl"), 1)
     assert "zlc deploy apply writes sysctls and IRQ affinity: run it as root (or see the changes with --dry-run)" in line
 

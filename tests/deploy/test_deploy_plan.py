@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from zlc import deploy
 from zlc.bundle import BundleError, read_manifest
 from zlc.deploy import DeployError, PlanOptions, Topology, format_cpulist, parse_cpulist
+from zlc.deploy import host as deploy_host
+from zlc.deploy import planning as deploy_planning
 
 MACHINE = Topology.from_json(synthetic_topology())  # 2 sockets x 32 cores x 2 threads, 8 GPUs
 ZLC_BIN = shutil.which("zlc") or str(Path(sys.executable).parent / "zlc")
@@ -314,8 +316,8 @@ def test_kubelet_config_documents_the_policies() -> None:
 
 
 def test_k8s_names_are_dns_labels() -> None:
-    assert deploy._k8s_name("SmolLM2 135M/Instruct") == "zlc-smollm2-135m-instruct"
-    assert deploy._k8s_name("___") == "zlc-model"
+    assert deploy_planning._k8s_name("SmolLM2 135M/Instruct") == "zlc-smollm2-135m-instruct"
+    assert deploy_planning._k8s_name("___") == "zlc-model"
 
 
 # ---- the IRQ script -----------------------------------------------------------------------------
@@ -480,10 +482,10 @@ def test_host_changes_and_apply_on_fake_proc(tmp_path: Path, monkeypatch: pytest
                for ln in lines)
     assert any(ln.startswith(f"kernel   isolcpus=managed_irq,{format_cpulist(p.isolated)}: absent -> present [reboot")
                for ln in lines)
-    monkeypatch.setattr(deploy.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(deploy_host.os, "geteuid", lambda: 1000)
     with pytest.raises(DeployError, match="run it as root"):
         deploy.apply(changes)
-    monkeypatch.setattr(deploy.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(deploy_host.os, "geteuid", lambda: 0)
     made = deploy.apply(changes)
     assert {c.target for c in made} == {"net.ipv4.tcp_fastopen", "irq 26 (nvidia)", "default irq affinity"}
     assert (sysfs / "net/ipv4/tcp_fastopen").read_text() == "3\n"
@@ -526,7 +528,7 @@ def test_process_affinity_of_a_child_and_its_children(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
     try:
         for _ in range(100):
-            kids = [q for q in deploy._descendants(proc.pid) if q != proc.pid]
+            kids = [q for q in deploy_host._descendants(proc.pid) if q != proc.pid]
             if kids:
                 break
             subprocess.run(["sleep", "0.05"])
@@ -542,6 +544,6 @@ def test_process_affinity_of_a_child_and_its_children(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
     with pytest.raises(DeployError, match="--pid needs --gpu N: the plan serves GPUs 0-7"):
-        deploy._instance(make(), None)
+        deploy_host._instance(make(), None)
     with pytest.raises(DeployError, match="--gpu 9: the plan serves GPUs 0-7"):
-        deploy._instance(make(), 9)
+        deploy_host._instance(make(), 9)
