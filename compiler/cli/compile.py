@@ -1,0 +1,92 @@
+"""`zlc compile`: a model into a bundle (megakernel, AOT cubins per target, tables, weights)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from .common import cli, err_console, print_bundle
+
+
+class CompileProgress:
+    """Stage lines on stderr for `zlc compile` (a live status on terminals, plain lines otherwise)."""
+
+    def __init__(self) -> None:
+        self.console = err_console()
+        self.status = self.console.status("") if self.console.is_terminal else None
+        self.stage: str | None = None
+        self.t = self.t0 = time.perf_counter()
+
+    def __enter__(self) -> CompileProgress:
+        if self.status is not None:
+            self.status.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.status is not None:
+            self.status.stop()
+
+    def __call__(self, stage: str, detail: str) -> None:
+        now = time.perf_counter()
+        if stage != self.stage:
+            if self.stage is not None:
+                self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
+            self.stage, self.t = stage, now
+        if self.status is not None:
+            self.status.update(f"{escape(stage)}: {escape(detail)}")
+        elif stage == "aot":
+            self.console.print(f"  {escape(detail)}")
+
+    def done(self) -> None:
+        self("done", "")
+
+
+@cli.command("compile")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="a10 a100 l4 rtx3090 rtx4090 h100 h200 cpu; repeat for several (default: cpu).")
+@click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Bundle directory (default: MODEL's stem + .zlc, in the current directory).")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="Weight dtype; auto: bf16 when a GPU target is named, else fp32. Math is f32.")
+@click.option("--max-seq", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Positions the KV cache and rotary tables hold.")
+@click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,
+              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
+@click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory that is not a bundle.")
+@click.option("--debug-waits", is_flag=True, help="Debug build: a wait that never completes raises an "
+              "error flag after 2 s instead of hanging the GPU.")
+@click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
+def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
+                tokenizer: Path | None, skip_verify: bool, force: bool, debug_waits: bool, as_json: bool) -> None:
+    """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
+    tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
+    from ..targets import get_target
+
+    for t in targets:
+        get_target(t)  # unknown names fail before any work
+    with CompileProgress() as p:
+        from ..compile import compile
+
+        res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
+                      tokenizer=tokenizer, verify=not skip_verify, progress=p, force=force,
+                      debug_waits=debug_waits)
+        p.done()
+    if as_json:
+        click.echo(json.dumps(_compile_report(res.manifest, res.seconds, res.path), indent=1))
+        return
+    print_bundle(res.manifest, res.path, res.seconds)
+
+
+def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Path) -> dict[str, Any]:
+    return {"bundle": str(path), "model": man["model"]["name"], "dtype": man["dtype"],
+            "tasks": {k: v["summary"]["tasks"] for k, v in man["tilings"].items()},
+            "targets": {k: {"arch": v["arch"], "resources": v.get("resources"), "roofline": v["roofline"]}
+                        for k, v in man["targets"].items()},
+            "verification": man["verification"], "seconds": secs or man.get("compile_seconds")}

@@ -1,0 +1,149 @@
+"""`zlc inspect`: what the compiler did to a model (IR after any stage, stage statistics, raising
+refusals), or what a compiled bundle holds (manifest, task tables, per-target resources)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from ..errors import ZlcError
+from .common import MAX_SEQ, STAGE_NAMES, cli, histogram_table, out_console, print_bundle, progress
+
+if TYPE_CHECKING:
+    from ..driver import Lowered
+    from ..ir import Graph
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path), metavar="MODEL|BUNDLE")
+@click.option("--ir", "show_ir", is_flag=True, help="Print the IR text (default: the final decode graph).")
+@click.option("--after", "after", metavar="STAGE", default=None,
+              help=f"Stop the pipeline after STAGE and dump that graph: {', '.join(STAGE_NAMES)}.")
+@click.option("--prefill", is_flag=True, help="With the kv-cache stage, dump the prefill graph instead.")
+@click.option("--stats", is_flag=True, help="Per-stage time, node count and statistics; op histograms.")
+@click.option("--explain", is_flag=True, help="Why raising rules refused to match (rule, reason, count).")
+@click.option("--tasks", "show_tasks", is_flag=True, help="BUNDLE: print the task table (decode; "
+              "--prefill for prefill) of the cpu tiling, or --tiling gpu.")
+@click.option("--tiling", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest.")
+@MAX_SEQ
+def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats: bool, explain: bool,
+            show_tasks: bool, tiling: str, as_json: bool, max_seq: int | None) -> None:
+    """Lower MODEL and show what the compiler did (without flags: the stage statistics), or show a
+    compiled BUNDLE: model, tasks per step, per-target registers/spills and roofline."""
+    if model.is_dir():
+        _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
+                        show_ir)
+        return
+    _check_stage(after)
+    show_ir = show_ir or (after is not None and not (stats or explain))
+    if not (show_ir or stats or explain):
+        stats = True
+    with progress(f"lower {model.name}") as p:
+        from ..driver import CompileOptions, lower
+
+        opts = CompileOptions() if max_seq is None else CompileOptions(max_seq=max_seq)
+        lowered = lower(model, options=opts, observer=p, stop_after=after)
+    if stats:
+        _print_stats(lowered)
+    if explain:
+        _print_explain(lowered)
+    if show_ir:
+        from ..ir import print_graph
+
+        click.echo(print_graph(_dumped_graph(lowered, after, prefill)), nl=False)
+
+
+def _check_stage(name: str | None) -> None:
+    """Fails on a stage name the driver does not know, before the pipeline runs. Reads the driver's
+    own list (not the STAGE_NAMES mirror), so new stages are accepted as soon as the driver has them."""
+    if name is None:
+        return
+    from ..driver import STAGES
+
+    if name not in STAGES:
+        raise ZlcError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+
+
+def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_json: bool, show_ir: bool) -> None:
+    from ..bundle import read_manifest, verify_checksums
+
+    man = read_manifest(path)
+    if as_json:
+        click.echo(json.dumps(man, indent=1))
+        return
+    if show_ir:
+        click.echo((path / "ir" / f"{mode}.zir").read_text(), nl=False)
+        return
+    if not show_tasks:
+        print_bundle(man, path)
+        verify_checksums(path, man)
+        out_console().print(f"checksums: {len(man['files'])} files ok")
+        return
+    if tiling not in man["tilings"]:
+        raise ZlcError(f"{path} has no {tiling} tiling (tilings: {', '.join(man['tilings'])})")
+    from zlc.codegen.program import OP_NAMES
+
+    tables = json.loads((path / man["tilings"][tiling]["readable"]).read_text())
+    t = Table(title=f"{tiling} {mode} tasks", title_justify="left")
+    for col in ("#", "op", "task", "waits (event=target)", "signals"):
+        t.add_column(col)
+    for i, task in enumerate(tables["tables"][mode]):
+        sig = "" if task["signal"] < 0 else f"{task['signal']}/{task['signal_target']}"
+        if task["parent"] >= 0:
+            sig += f" -> {task['parent']}"
+        t.add_row(str(i), OP_NAMES[task["op"]], escape(task["label"]),
+                  " ".join(f"{e}={n}" for e, n in task["waits"]), sig)
+    out_console().print(t)
+
+
+def _dumped_graph(lowered: Lowered, after: str | None, prefill: bool) -> Graph:
+    """The graph the pipeline ended with: decode (or prefill) after kv-cache, else the main one."""
+    if after in (None, "kv-cache") and lowered.decode is not None:
+        return lowered.prefill if prefill and lowered.prefill is not None else lowered.decode
+    return lowered.graph
+
+
+def _print_stats(lowered: Lowered) -> None:
+    out = out_console()
+    t = Table(title="pipeline stages", title_justify="left")
+    t.add_column("stage")
+    t.add_column("time (ms)", justify="right")
+    t.add_column("nodes", justify="right")
+    t.add_column("statistics")
+    for s in lowered.stages:
+        detail = ", ".join(f"{k}={v}" for k, v in s.stats.items())
+        t.add_row(s.name, f"{s.seconds * 1e3:.1f}", str(s.nodes), escape(detail))
+    t.add_row("[bold]total[/]", f"{sum(s.seconds for s in lowered.stages) * 1e3:.1f}", "", "")
+    out.print(t)
+    out.print(histogram_table(lowered.histogram_before, lowered.histogram_after))
+    if lowered.prefill is not None:
+        cache = ", ".join(f"{n}: {t}" for n, t in lowered.cache)
+        out.print(f"KV cache ({len(lowered.cache)} buffers, max_seq {lowered.max_seq}): {escape(cache)}")
+
+
+def _print_explain(lowered: Lowered) -> None:
+    out = out_console()
+    raised = next((s for s in lowered.stages if s.name == "raise"), None)
+    if raised is None:
+        out.print("raising did not run (the pipeline stopped before the 'raise' stage)")
+        return
+    applied = ", ".join(f"{k}={v}" for k, v in raised.stats.items()) or "nothing"
+    out.print(f"raised: {escape(applied)}")
+    if not lowered.refused:
+        out.print("no rule refused a candidate")
+        return
+    t = Table(title="refusals (a rule looked at a candidate node and said why it did not match)",
+              title_justify="left")
+    t.add_column("rule")
+    t.add_column("reason")
+    t.add_column("count", justify="right")
+    for rule, reasons in sorted(lowered.refused.items()):
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            t.add_row(escape(rule), escape(reason), str(n))
+    out.print(t)

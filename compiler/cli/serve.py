@@ -1,0 +1,85 @@
+"""`zlc serve`: a compiled bundle behind the Anthropic Messages and OpenAI chat APIs, plus binary
+token frames over TCP/UDP (and XDP); the server itself is zlc.runtime.serve."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from .common import cli, err_console
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="BUNDLE")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (elsewhere than loopback: set --api-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="HTTP port (0: any free port, printed at start).")
+@click.option("--api-key", envvar="ZLC_API_KEY", default=None,
+              help="Require this key (x-api-key or Authorization: Bearer). Env: ZLC_API_KEY.")
+@click.option("--model-name", default=None, help="The name clients must send as `model` "
+              "(default: the bundle's model name).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True,
+              help="Executor: cpu = the megakernel in Triton's interpreter, cuda = its cubin, "
+              "reference = the bundle's IR with torch on the CPU.")
+@click.option("--frame-port", type=click.IntRange(0, 65535), default=None,
+              help="Also accept binary token frames over TCP on this port (docs/frames.md).")
+@click.option("--udp-port", type=click.IntRange(0, 65535), default=None,
+              help="Also accept binary token frames over UDP on this port.")
+@click.option("--xdp", "xdp", metavar="IFACE", default=None,
+              help="Attach the bundle's XDP program (deploy/ebpf/zlc_xdp.o) to IFACE: UDP frames to "
+              "--udp-port go through a BPF ring buffer; root needed (docs/deployment.md).")
+@click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Requests waiting for the engine before new ones get an overload error (529 / 429).")
+@click.option("--max-body", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True,
+              help="Largest request body in bytes (413 beyond).")
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds a request may take to arrive completely (408 and close beyond).")
+@click.option("--spin-us", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Microseconds the engine polls the request ring before it sleeps: lower wake-up "
+              "latency for a core that does nothing else (an isolated serving core); 0 sleeps at once.")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="CPU threads of the executor (reference/cpu devices): raise for big models on many "
+              "cores; 1 keeps small models' latency steady.")
+def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
+          frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int, max_body: int,
+          request_timeout: float, spin_us: float, threads: int) -> None:
+    """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
+    completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
+    /metrics (Prometheus); binary token frames over TCP/UDP with --frame-port/--udp-port.
+
+    Runs until Ctrl-C / SIGTERM. The engine (one process owning the executor) and this ingress talk
+    through shared-memory rings (docs/serving.md)."""
+    from zlc.runtime.serve.http import HttpLimits
+    from zlc.runtime.serve.server import ServeOptions
+    from zlc.runtime.serve.server import run as run_server
+
+    opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
+                        frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
+                        threads=threads,
+                        limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout))
+    err = err_console()
+    err.print(f"[dim]zlc serve: loading {escape(str(bundle))} on {device}…[/]")
+
+    def announce(server: Any) -> None:
+        a = server.addresses
+        http_host, http_port = a["http"]
+        parts = [f"http://{http_host}:{http_port}"]
+        if "frames_tcp" in a:
+            parts.append(f"frames tcp {a['frames_tcp'][1]}")
+        if "frames_udp" in a:
+            parts.append(f"frames udp {a['frames_udp'][1]}")
+        if "xdp" in a:
+            parts.append(f"XDP on {a['xdp'][0]}")
+        # one machine-readable line on stdout (scripts and tests wait for it), the rest on stderr
+        click.echo(json.dumps({"event": "listening", "model": server.model, "device": device,
+                               **{k: list(v) for k, v in a.items()}}), nl=True)
+        sys.stdout.flush()
+        err.print(f"zlc serve: {escape(server.model)} on {device}: " + ", ".join(parts))
+
+    run_server(str(bundle), opts, announce)
