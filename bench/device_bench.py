@@ -453,7 +453,7 @@ def assemble_arenas(slim: Path, info: dict[str, Any], manifest: dict[str, Any], 
     carried extras (rotary tables); every element must be written exactly once."""
     import numpy as np
 
-    from zlc.runtime.cuda import read_safetensors
+    from zlc.runtime.cuda_launch import read_safetensors
 
     W = torch.zeros(int(manifest["weights"]["W"]["elements"]), dtype=torch.bfloat16, device=dev)
     P = torch.zeros(int(manifest["weights"]["P"]["elements"]), dtype=torch.float32, device=dev)

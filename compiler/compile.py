@@ -1,7 +1,12 @@
 """`zlc.compile`: a model -> an artifact bundle (see `zlc.bundle` for the layout).
 
+The compile pipeline is data: `COMPILE_STAGES`, a list of named stages run in order over one
+`Build` (what the stages share). Each stage records its time (`CompileResult.seconds`), reports
+progress under its name, and can show what it made (`zlc inspect MODEL --after schedule`):
+
     lower -> verify (against ONNX Runtime / the torch module) -> schedule + validate per tiling
-    -> emit kernel.py -> pack weights -> AOT per GPU target -> tokenizer -> manifest
+    -> emit kernel.py and the IR -> weights (arenas) -> aot (cubin per GPU target) -> tokenizer
+    -> ebpf (the XDP program) -> manifest (sha256 of every file)
 
 Two tilings at most: `cpu` (coarse tiles for the Triton interpreter; always present, so any
 bundle runs with `--device cpu`) and `gpu` (one Linear block per task, split-KV), shared by every
@@ -21,168 +26,302 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
 from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .ir import DType
 from .targets import Target, decode_traffic, get_target
+from .version import __version__
 
 Progress = Callable[[str, str], None]  # (stage, detail)
 DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
+class Build:
+    """One compilation: its inputs, then what each stage made (filled in stage order)."""
+
+    model: Any
+    example_inputs: tuple[Any, ...] | None
+    targets: list[Target]
+    wdtype: str  # weight dtype in the arenas: "fp32" or "bf16"
+    max_seq: int
+    name: str
+    out: Path
+    tmp: Path  # the bundle being written (`out` + ".partial"); renamed to `out` by the manifest stage
+    tokenizer: str | Path | None = None
+    verify: bool = True
+    atol: float = 1e-3
+    debug_waits: bool = False
+    progress: Progress | None = None
+    lowered: Lowered | None = None
+    verification: dict[str, Any] = field(default_factory=lambda: {"status": "skipped"})
+    programs: dict[str, Any] = field(default_factory=dict)  # tiling -> codegen Program
+    tilings: dict[str, Any] = field(default_factory=dict)  # tiling -> manifest entry
+    kernel_source: str = ""
+    target_info: dict[str, Any] = field(default_factory=dict)
+    tokenizer_info: dict[str, Any] | None = None
+    xdp: Any = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def report(self, stage: str, detail: str = "") -> None:
+        if self.progress is not None:
+            self.progress(stage, detail)
+
+    @property
+    def decode(self) -> Any:
+        assert self.lowered is not None and self.lowered.decode is not None
+        return self.lowered.decode
+
+
+@dataclass(frozen=True)
+class CompileStage:
+    name: str
+    run: Callable[[Build], None]
+    show: Callable[[Build], str]  # what `zlc inspect MODEL --after NAME` prints
+    doc: str
+
+
+@dataclass
 class CompileResult:
-    path: Path
+    path: Path | None  # None when the pipeline stopped before the bundle was written
     manifest: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
+    build: Build | None = None
 
 
-def _stage(progress: Progress | None, stage: str, detail: str = "") -> None:
-    if progress is not None:
-        progress(stage, detail)
+# ---- the stages ----------------------------------------------------------------------------------
+
+def _lower(b: Build) -> None:
+    b.report("lower", f"{b.name}, max_seq {b.max_seq}")
+    b.lowered = lower(b.model, b.example_inputs, options=CompileOptions(max_seq=b.max_seq),
+                      observer=(lambda st, g: b.report("lower", st)) if b.progress else None)
+    if b.lowered.decode is None or b.lowered.prefill is None:
+        raise ZlcError("the model was lowered without a KV cache; nothing to compile")
+
+
+def _verify(b: Build) -> None:
+    if not b.verify:
+        return
+    assert b.lowered is not None
+    b.report("verify", "against ONNX Runtime" if isinstance(b.model, (str, Path)) else "against the module")
+    b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
+    if not b.verification["ok"]:
+        raise VerificationError(f"{b.name}: lowered model differs from its reference "
+                                f"({b.verification['summary']}); not compiling it (see `zlc verify`)")
+
+
+def _schedule(b: Build) -> None:
+    from zlc.codegen.schedule import schedule, tiling_for
+    from zlc.codegen.validate import validate_program
+
+    (b.tmp / "tables").mkdir(parents=True)
+    wanted = ["cpu"] + (["gpu"] if any(t.is_gpu for t in b.targets) else [])
+    for key in wanted:
+        b.report("schedule", f"{key} tiling")
+        proto = next((t for t in b.targets if t.is_gpu), None) if key == "gpu" else get_target("cpu")
+        prog = schedule(b.decode, tiling_for(proto, b.max_seq), b.max_seq, model=b.name)
+        validate_program(prog)
+        b.programs[key] = prog
+        b.tilings[key] = _write_tables(b.tmp, key, prog, b.debug_waits)
+
+
+def _emit(b: Build) -> None:
+    from zlc.codegen.emit import render
+
+    b.report("emit", "kernel.py")
+    b.kernel_source = render(_union_program(b.programs), weight_dtype=b.wdtype, version=__version__)
+    (b.tmp / "kernel.py").write_text(b.kernel_source)
+    assert b.lowered is not None
+    _write_ir(b.tmp, b.lowered)
+
+
+def _weights(b: Build) -> None:
+    from safetensors.torch import save_file
+
+    from zlc.codegen.pack import pack_arenas
+
+    b.report("weights", f"{b.wdtype} arenas")
+    W, P = pack_arenas(b.decode, b.programs["cpu"], b.wdtype)
+    save_file({"W": W, "P": P}, str(b.tmp / "weights.safetensors"))
+
+
+def _aot(b: Build) -> None:
+    gpu_targets = [t for t in b.targets if t.is_gpu]
+    if gpu_targets:
+        from zlc.codegen.aot import check_ptx_sync, compile_kernel
+        from zlc.codegen.emit import ENTRY, signature
+
+        gp = b.programs["gpu"]
+        b.report("aot", f"{', '.join(t.name for t in gpu_targets)} (ptxas)")
+        results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), gp.constexprs(debug=b.debug_waits),
+                                 gpu_targets, num_warps=gp.tiling.num_warps,
+                                 on_progress=lambda s: b.report("aot", s))
+        (b.tmp / "kernels").mkdir()
+        for r in results:
+            problems = check_ptx_sync(r.ptx)
+            if problems:
+                raise ZlcError(f"{r.target}: the PTX lacks the memory ordering the megakernel relies on: "
+                               f"{'; '.join(problems)} (a Triton upgrade changed its lowering?)")
+            (b.tmp / "kernels" / f"{r.target}.cubin").write_bytes(r.cubin)
+            (b.tmp / "kernels" / f"{r.target}.ptx").write_text(r.ptx)
+            b.target_info[r.target] = {"arch": r.arch, "tiling": "gpu", "grid": get_target(r.target).sms,
+                                       "cubin": f"kernels/{r.target}.cubin", "ptx": f"kernels/{r.target}.ptx",
+                                       "metadata": r.metadata, "params": r.params,
+                                       "resources": asdict(r.resources), "compile_seconds": round(r.seconds, 3)}
+    assert b.lowered is not None
+    for tg in b.targets:
+        info = b.target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu",
+                                                  "grid": b.tilings["cpu"]["grid"]})
+        info["roofline"] = roofline(b.lowered, tg, b.wdtype)
+
+
+def _tokenizer(b: Build) -> None:
+    if b.tokenizer is None:
+        return
+    from zlc.runtime.tokenizer import bundle_tokenizer
+
+    b.report("tokenizer", str(b.tokenizer))
+    cfg = bundle_tokenizer(b.tokenizer, b.tmp / "tokenizer")
+    b.tokenizer_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
+                        "eos_token_ids": cfg.get("eos_token_ids", [])}
+
+
+def _ebpf(b: Build) -> None:
+    from .deploy import ebpf
+
+    b.xdp = ebpf.build(b.tmp / "deploy" / "ebpf")  # topology-free: host setup is `zlc deploy build`'s job
+    b.report("ebpf", "XDP ingress program " + ("built" if b.xdp.object else f"source only: {b.xdp.reason}"))
+
+
+def _manifest(b: Build) -> None:
+    import triton
+
+    from zlc.codegen.emit import ENTRY, signature
+
+    assert b.lowered is not None
+    decode = b.programs["cpu"]
+    b.manifest = {
+        "zlc_version": __version__, "triton_version": triton.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": {"name": b.name, "source": str(b.model) if isinstance(b.model, (str, Path)) else b.name,
+                  "ir_sha256": _ir_hash(b.lowered), "vocab": decode.vocab, "max_seq": b.max_seq,
+                  "layers": sum(1 for n in b.decode.nodes if n.op == "Attention"),
+                  "ops": b.lowered.histogram_after},
+        "dtype": {"weights": b.wdtype, "activations": "fp32", "kv_cache": "fp32", "accumulation": "fp32"},
+        "kernel": {"source": "kernel.py", "entry": ENTRY, "signature": signature(b.wdtype),
+                   "params": list(signature(b.wdtype)), "debug_waits": b.debug_waits},
+        "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
+                    "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
+        "tilings": b.tilings, "targets": b.target_info, "verification": b.verification,
+        "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled in by compile() below
+    }
+    b.report("manifest", "sha256 of every file")
+
+
+# What each stage shows (`zlc inspect MODEL --after NAME`): the thing it made, as text.
+
+def _show_lower(b: Build) -> str:
+    from .ir.text import print_graph
+
+    return print_graph(b.decode)
+
+
+def _show_verify(b: Build) -> str:
+    return json.dumps(b.verification, indent=1)
+
+
+def _show_schedule(b: Build) -> str:
+    return json.dumps({k: v["summary"] for k, v in b.tilings.items()}, indent=1)
+
+
+def _show_weights(b: Build) -> str:
+    return json.dumps(b.programs["cpu"].weights, indent=1)
+
+
+def _show_aot(b: Build) -> str:
+    return json.dumps({k: {f: v.get(f) for f in ("arch", "tiling", "grid", "resources", "roofline")}
+                       for k, v in b.target_info.items()}, indent=1)
+
+
+def _show_tokenizer(b: Build) -> str:
+    return json.dumps(b.tokenizer_info, indent=1)
+
+
+def _show_ebpf(b: Build) -> str:
+    x = b.xdp
+    return json.dumps({"source": str(x.source), "object": str(x.object) if x.object else None,
+                       "reason": x.reason, "max_tokens": x.max_tokens, "ring_bytes": x.ring_bytes}, indent=1)
+
+
+def _show_manifest(b: Build) -> str:
+    return json.dumps(b.manifest, indent=1)
+
+
+COMPILE_STAGES: tuple[CompileStage, ...] = (
+    CompileStage("lower", _lower, _show_lower, "the lowering pipeline (zlc.driver.LOWERING): raised prefill/decode"),
+    CompileStage("verify", _verify, _show_verify, "the lowered model against ONNX Runtime or the torch module"),
+    CompileStage("schedule", _schedule, _show_schedule, "task tables per tiling (cpu, gpu), validated"),
+    CompileStage("emit", _emit, lambda b: b.kernel_source, "kernel.py from the template; the IR files"),
+    CompileStage("weights", _weights, _show_weights, "the W/P arenas, laid out as the kernel reads them"),
+    CompileStage("aot", _aot, _show_aot, "a cubin per GPU target (ptxas), resources, roofline"),
+    CompileStage("tokenizer", _tokenizer, _show_tokenizer, "the tokenizer and chat template, when given"),
+    CompileStage("ebpf", _ebpf, _show_ebpf, "the XDP ingress program (clang -target bpf, when present)"),
+    CompileStage("manifest", _manifest, _show_manifest, "manifest.json with the sha256 of every file"),
+)
+COMPILE_STAGE_NAMES = tuple(s.name for s in COMPILE_STAGES)
 
 
 def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | None = None,
             dtype: str = "auto", max_seq: int = 2048, tokenizer: str | Path | None = None,
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float = 1e-3,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
-            debug_waits: bool = False) -> CompileResult:
+            debug_waits: bool = False, stop_after: str | None = None) -> CompileResult:
     """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
-    kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table."""
-    from zlc.codegen.emit import ENTRY, render, signature
-    from zlc.codegen.schedule import pack_arenas, schedule, tiling_for
-    from zlc.codegen.validate import validate_program
-
+    kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
+    `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
+    `build` holds what the stages made (`zlc inspect MODEL --after STAGE`)."""
     tgs = _targets(targets)
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
-    wdtype = dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32")
     if max_seq < 1:
         raise ZlcError(f"--max-seq must be positive, got {max_seq}")
+    if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
+        raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
-    secs: dict[str, float] = {}
-    t0 = time.perf_counter()
-
-    _stage(progress, "lower", f"{src_name}, max_seq {max_seq}")
-    lowered = lower(model, example_inputs, options=CompileOptions(max_seq=max_seq),
-                    observer=(lambda st, g: _stage(progress, "lower", st)) if progress else None)
-    if lowered.decode is None or lowered.prefill is None:
-        raise ZlcError("the model was lowered without a KV cache; nothing to compile")
-    secs["lower"] = time.perf_counter() - t0
-
-    t = time.perf_counter()
-    verification = {"status": "skipped"}
-    if verify:
-        _stage(progress, "verify", "against ONNX Runtime" if isinstance(model, (str, Path)) else "against the module")
-        verification = _verify(model, example_inputs, lowered, atol)
-        if not verification["ok"]:
-            raise VerificationError(f"{src_name}: lowered model differs from its reference "
-                                    f"({verification['summary']}); not compiling it (see `zlc verify`)")
-    secs["verify"] = time.perf_counter() - t
-
-    t = time.perf_counter()
     tmp = outdir.with_name(outdir.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
-    (tmp / "tables").mkdir(parents=True)
-    tilings: dict[str, Any] = {}
-    programs = {}
-    wanted = ["cpu"] + (["gpu"] if any(t.is_gpu for t in tgs) else [])
-    for key in wanted:
-        _stage(progress, "schedule", f"{key} tiling")
-        proto = next((t for t in tgs if t.is_gpu), None) if key == "gpu" else get_target("cpu")
-        prog = schedule(lowered.decode, tiling_for(proto, max_seq), max_seq, model=src_name)
-        validate_program(prog)
-        programs[key] = prog
-        tilings[key] = _write_tables(tmp, key, prog, debug_waits)
-    secs["schedule"] = time.perf_counter() - t
-
-    _stage(progress, "emit", "kernel.py")
-    src = render(_union_program(programs), weight_dtype=wdtype, version=__version__)
-    (tmp / "kernel.py").write_text(src)
-
-    t = time.perf_counter()
-    _stage(progress, "weights", f"{wdtype} arenas")
-    W, P = pack_arenas(lowered.decode, programs["cpu"], wdtype)
-    from safetensors.torch import save_file
-
-    save_file({"W": W, "P": P}, str(tmp / "weights.safetensors"))
-    secs["weights"] = time.perf_counter() - t
-    _write_ir(tmp, lowered)
-
-    t = time.perf_counter()
-    target_info: dict[str, Any] = {}
-    gpu_targets = [t for t in tgs if t.is_gpu]
-    if gpu_targets:
-        from zlc.codegen.aot import check_ptx_sync, compile_kernel
-
-        gp = programs["gpu"]
-        _stage(progress, "aot", f"{', '.join(t.name for t in gpu_targets)} (ptxas)")
-        results = compile_kernel(tmp / "kernel.py", ENTRY, signature(wdtype), gp.constexprs(debug=debug_waits),
-                                 gpu_targets, num_warps=gp.tiling.num_warps,
-                                 on_progress=lambda s: _stage(progress, "aot", s))
-        (tmp / "kernels").mkdir()
-        for r in results:
-            problems = check_ptx_sync(r.ptx)
-            if problems:
-                raise ZlcError(f"{r.target}: the PTX lacks the memory ordering the megakernel relies on: "
-                               f"{'; '.join(problems)} (a Triton upgrade changed its lowering?)")
-            (tmp / "kernels" / f"{r.target}.cubin").write_bytes(r.cubin)
-            (tmp / "kernels" / f"{r.target}.ptx").write_text(r.ptx)
-            target_info[r.target] = {"arch": r.arch, "tiling": "gpu", "grid": get_target(r.target).sms,
-                                     "cubin": f"kernels/{r.target}.cubin", "ptx": f"kernels/{r.target}.ptx",
-                                     "metadata": r.metadata, "params": r.params,
-                                     "resources": asdict(r.resources), "compile_seconds": round(r.seconds, 3)}
-    for tg in tgs:
-        info = target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu", "grid": tilings["cpu"]["grid"]})
-        info["roofline"] = roofline(lowered, tg, wdtype)
-    secs["aot"] = time.perf_counter() - t
-
-    tok_info = None
-    if tokenizer is not None:
-        _stage(progress, "tokenizer", str(tokenizer))
-        from zlc.runtime.tokenizer import bundle_tokenizer
-
-        cfg = bundle_tokenizer(tokenizer, tmp / "tokenizer")
-        tok_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
-                    "eos_token_ids": cfg.get("eos_token_ids", [])}
-
-    from .deploy import ebpf
-
-    xdp = ebpf.build(tmp / "deploy" / "ebpf")  # topology-free: host setup is `zlc deploy build`'s job
-    _stage(progress, "ebpf", "XDP ingress program " + ("built" if xdp.object else f"source only: {xdp.reason}"))
-
-    import triton
-
-    decode = programs["cpu"]
-    manifest = {
-        "zlc_version": __version__, "triton_version": triton.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": {"name": src_name, "source": str(model) if isinstance(model, (str, Path)) else src_name,
-                  "ir_sha256": _ir_hash(lowered), "vocab": decode.vocab, "max_seq": max_seq,
-                  "layers": sum(1 for n in lowered.decode.nodes if n.op == "Attention"),
-                  "ops": lowered.histogram_after},
-        "dtype": {"weights": wdtype, "activations": "fp32", "kv_cache": "fp32", "accumulation": "fp32"},
-        "kernel": {"source": "kernel.py", "entry": ENTRY, "signature": signature(wdtype),
-                   "params": list(signature(wdtype)), "debug_waits": debug_waits},
-        "weights": {"file": "weights.safetensors", "W": {"dtype": wdtype, "elements": decode.w_size},
-                    "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
-        "tilings": tilings, "targets": target_info, "verification": verification,
-        "tokenizer": tok_info, "compile_seconds": {k: round(v, 3) for k, v in secs.items()},
-    }
-    _stage(progress, "manifest", "sha256 of every file")
-    write_manifest(tmp, manifest)
+    tmp.mkdir(parents=True)
+    b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
+              wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32"),
+              out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
+              progress=progress)
+    secs: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        for stage in COMPILE_STAGES:
+            t = time.perf_counter()
+            stage.run(b)
+            secs[stage.name] = time.perf_counter() - t
+            if stage.name == stop_after:
+                shutil.rmtree(tmp)
+                secs["total"] = time.perf_counter() - t0
+                return CompileResult(None, b.manifest, secs, b)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed compile leaves no half-written bundle
+        raise
+    b.manifest["compile_seconds"] = {k: round(v, 3) for k, v in secs.items() if k != "total"}
+    write_manifest(tmp, b.manifest)
     if outdir.exists():
         shutil.rmtree(outdir)
     tmp.rename(outdir)
     secs["total"] = time.perf_counter() - t0
-    return CompileResult(outdir, manifest, secs)
+    return CompileResult(outdir, b.manifest, secs, b)
 
 
 def _targets(names: Sequence[str]) -> list[Target]:
@@ -205,7 +344,7 @@ def _prepare_out(outdir: Path, force: bool) -> None:
                            "choose another -o (or --force to replace it)")
 
 
-def _verify(model: Any, example_inputs: Any, lowered: Lowered, atol: float) -> dict[str, Any]:
+def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float) -> dict[str, Any]:
     if isinstance(model, (str, Path)) and Path(model).is_file():
         from .verifier import verify
 
@@ -268,7 +407,7 @@ def _write_ir(root: Path, lowered: Lowered) -> None:
 
 
 def _ir_text(g: Any) -> str:
-    from zlc.ir.text import print_graph
+    from .ir.text import print_graph
 
     return print_graph(g)
 

@@ -1,8 +1,8 @@
-"""Named compilation targets (DESIGN.md's table) and the batch-1 decode roofline.
+"""Named compilation targets (the `TARGETS` table below) and the batch-1 decode roofline.
 
 The latency floor of a batch-1 decode step is the bytes it must read (weights once, the KV cache
-up to the current context) divided by the memory bandwidth. The megakernel issue compiles for
-these targets; this module is the single table of their facts.
+up to the current context) divided by the memory bandwidth. `zlc compile --target` names one of
+these (docs/cli.md lists them); this module is the single table of their facts.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import zlc
 from zlc import bundle as fmt
 from zlc.errors import ZlcError
 from zlc.runtime import cuda as zc
+from zlc.runtime import cuda_driver as zd
+from zlc.runtime import cuda_launch as zl
 from zlc.runtime.megakernel import MegakernelSession
 from zlc.targets import get_target
 
@@ -51,47 +53,47 @@ def _manifest(**arches: str) -> dict[str, Any]:
 
 
 def test_arch_rules() -> None:
-    assert zc.arch_cc("sm_86") == 86 and zc.arch_cc("sm_90a") == 90 and zc.arch_cc("interpreter") is None
-    assert zc.cubin_runs_on("sm_86", 86)
-    assert zc.cubin_runs_on("sm_80", 86) and zc.cubin_runs_on("sm_80", 89)  # newer minor, same major
-    assert not zc.cubin_runs_on("sm_86", 80)  # never an older minor
-    assert not zc.cubin_runs_on("sm_89", 90) and not zc.cubin_runs_on("sm_86", 90)  # never across majors
-    assert zc.cubin_runs_on("sm_90", 90)
-    assert not zc.cubin_runs_on("sm_90", 100)  # Triton builds sm_90a: Hopper only
-    assert not zc.cubin_runs_on("interpreter", 86)
+    assert zl.arch_cc("sm_86") == 86 and zl.arch_cc("sm_90a") == 90 and zl.arch_cc("interpreter") is None
+    assert zl.cubin_runs_on("sm_86", 86)
+    assert zl.cubin_runs_on("sm_80", 86) and zl.cubin_runs_on("sm_80", 89)  # newer minor, same major
+    assert not zl.cubin_runs_on("sm_86", 80)  # never an older minor
+    assert not zl.cubin_runs_on("sm_89", 90) and not zl.cubin_runs_on("sm_86", 90)  # never across majors
+    assert zl.cubin_runs_on("sm_90", 90)
+    assert not zl.cubin_runs_on("sm_90", 100)  # Triton builds sm_90a: Hopper only
+    assert not zl.cubin_runs_on("interpreter", 86)
 
 
 def test_select_target_prefers_exact_then_grid(manifest: dict[str, Any]) -> None:
-    assert zc.select_target(manifest, 86) == "a10"
-    assert zc.select_target(manifest, 80) == "a100"
-    assert zc.select_target(manifest, 90) == "h100"
-    assert zc.select_target(manifest, 87) == "a10"  # sm_86 runs on sm_87; exact sm_80 is not preferred
-    assert zc.select_target(manifest, 89, sms=58) == "a10"  # L4: the newest compatible minor
+    assert zl.select_target(manifest, 86) == "a10"
+    assert zl.select_target(manifest, 80) == "a100"
+    assert zl.select_target(manifest, 90) == "h100"
+    assert zl.select_target(manifest, 87) == "a10"  # sm_86 runs on sm_87; exact sm_80 is not preferred
+    assert zl.select_target(manifest, 89, sms=58) == "a10"  # L4: the newest compatible minor
     m = _manifest(a100="sm_80", a10="sm_86")
-    assert zc.select_target(m, 86) == "a10"
+    assert zl.select_target(m, 86) == "a10"
     m = _manifest(h100="sm_90", h200="sm_90")
-    assert zc.select_target(m, 90, sms=132) in ("h100", "h200")
+    assert zl.select_target(m, 90, sms=132) in ("h100", "h200")
     m["targets"]["h200"]["grid"] = 140
-    assert zc.select_target(m, 90, sms=140) == "h200"
+    assert zl.select_target(m, 90, sms=140) == "h200"
 
 
 def test_select_target_error_names_gpu_cubins_and_target() -> None:
     m = _manifest(a10="sm_86", h100="sm_90")
-    with pytest.raises(zc.CudaError) as e:
-        zc.select_target(m, 80, device_name="NVIDIA A100-SXM4-80GB", sms=108)
+    with pytest.raises(zl.CudaError) as e:
+        zl.select_target(m, 80, device_name="NVIDIA A100-SXM4-80GB", sms=108)
     assert str(e.value) == ("this GPU is sm_80 (NVIDIA A100-SXM4-80GB); the bundle has cubins for sm_86 (a10), "
                             "sm_90 (h100); recompile with --target a100")
-    with pytest.raises(zc.CudaError, match=r"sm_89 \(NVIDIA L4\).*--target l4"):
-        zc.select_target(_manifest(h100="sm_90"), 89, device_name="NVIDIA L4", sms=58)
-    with pytest.raises(zc.CudaError, match="no GPU cubins .*--target h200"):
-        zc.select_target(_manifest(), 90, sms=132, device_name="NVIDIA H200")
-    with pytest.raises(zc.CudaError, match="no compile target for sm_120"):
-        zc.select_target(_manifest(h100="sm_90"), 120)
+    with pytest.raises(zl.CudaError, match=r"sm_89 \(NVIDIA L4\).*--target l4"):
+        zl.select_target(_manifest(h100="sm_90"), 89, device_name="NVIDIA L4", sms=58)
+    with pytest.raises(zl.CudaError, match="no GPU cubins .*--target h200"):
+        zl.select_target(_manifest(), 90, sms=132, device_name="NVIDIA H200")
+    with pytest.raises(zl.CudaError, match="no compile target for sm_120"):
+        zl.select_target(_manifest(h100="sm_90"), 120)
 
 
 def test_select_target_error_on_real_bundle(manifest: dict[str, Any]) -> None:
-    with pytest.raises(zc.CudaError) as e:
-        zc.select_target(manifest, 75, device_name="Tesla T4", sms=40)
+    with pytest.raises(zl.CudaError) as e:
+        zl.select_target(manifest, 75, device_name="Tesla T4", sms=40)
     msg = str(e.value)
     assert msg.startswith("this GPU is sm_75 (Tesla T4); the bundle has cubins for ")
     assert all(f"{manifest['targets'][t]['arch']} ({t})" in msg for t in TARGETS)
@@ -104,34 +106,34 @@ def test_select_target_error_on_real_bundle(manifest: dict[str, Any]) -> None:
 def test_launch_config_matches_manifest(manifest: dict[str, Any], target: str) -> None:
     t = manifest["targets"][target]
     md = t["metadata"]
-    cfg = zc.LaunchConfig.from_manifest(manifest, target)
+    cfg = zl.LaunchConfig.from_manifest(manifest, target)
     assert cfg.function == md["name"] == manifest["kernel"]["entry"]
     assert cfg.block == 32 * md["num_warps"]
     assert cfg.shared == md["shared"]
     assert cfg.needs_shared_opt_in == (md["shared"] > 48 * 1024)
     assert cfg.grid == t["grid"] == get_target(target).sms
     assert cfg.cubin == t["cubin"] and cfg.arch == t["arch"]
-    assert cfg.global_scratch == zc.Scratch(md["global_scratch_size"], md["global_scratch_align"])
-    assert cfg.profile_scratch == zc.Scratch(md["profile_scratch_size"], md["profile_scratch_align"])
+    assert cfg.global_scratch == zl.Scratch(md["global_scratch_size"], md["global_scratch_align"])
+    assert cfg.profile_scratch == zl.Scratch(md["profile_scratch_size"], md["profile_scratch_align"])
     assert [p["name"] for p in cfg.params] == [p["name"] for p in t["params"]]
-    assert zc.LaunchConfig.from_manifest(manifest, target, sms=7).grid == 7  # this GPU's SMs win
+    assert zl.LaunchConfig.from_manifest(manifest, target, sms=7).grid == 7  # this GPU's SMs win
 
 
 def test_launch_config_errors(manifest: dict[str, Any]) -> None:
-    with pytest.raises(zc.CudaError, match="no GPU target 'cpu'"):
-        zc.LaunchConfig.from_manifest(manifest, "cpu")
-    with pytest.raises(zc.CudaError, match="no GPU target 'l4'.*a10, h100, a100"):
-        zc.LaunchConfig.from_manifest(manifest, "l4")
+    with pytest.raises(zl.CudaError, match="no GPU target 'cpu'"):
+        zl.LaunchConfig.from_manifest(manifest, "cpu")
+    with pytest.raises(zl.CudaError, match="no GPU target 'l4'.*a10, h100, a100"):
+        zl.LaunchConfig.from_manifest(manifest, "l4")
     m = json.loads(json.dumps(manifest))
     m["targets"]["a10"]["metadata"]["launch_cooperative_grid"] = True
-    with pytest.raises(zc.CudaError, match="cooperative"):
-        zc.LaunchConfig.from_manifest(m, "a10")
+    with pytest.raises(zl.CudaError, match="cooperative"):
+        zl.LaunchConfig.from_manifest(m, "a10")
 
 
 def test_scratch_sizes() -> None:
-    assert zc.Scratch(0, 1).nbytes(132) == 0  # NULL
-    assert zc.Scratch(256, 128).nbytes(132) == 256 * 132
-    assert zc.align_up(1000, 256) == 1024 and zc.align_up(1024, 256) == 1024 and zc.align_up(5, 1) == 5
+    assert zl.Scratch(0, 1).nbytes(132) == 0  # NULL
+    assert zl.Scratch(256, 128).nbytes(132) == 256 * 132
+    assert zl.align_up(1000, 256) == 1024 and zl.align_up(1024, 256) == 1024 and zl.align_up(5, 1) == 5
 
 
 def _pointers(params: list[dict[str, Any]]) -> dict[str, int]:
@@ -146,7 +148,7 @@ def test_pack_params_in_manifest_order(manifest: dict[str, Any], target: str) ->
     assert names[8:] == ["global_scratch", "profile_scratch"]
     assert all(p.get("hidden") for p in params[8:])
     ptrs = _pointers(params)
-    packed = zc.pack_params(params, dict(reversed(list(ptrs.items()))))  # dict order does not matter
+    packed = zl.pack_params(params, dict(reversed(list(ptrs.items()))))  # dict order does not matter
     assert packed.names == tuple(names) and len(packed) == 10
     # what cuLaunchKernel reads: void*[10], each pointing at one 8-byte value, in manifest order
     arr = (ctypes.c_void_p * 10).from_address(packed.address)
@@ -158,36 +160,36 @@ def test_pack_params_in_manifest_order(manifest: dict[str, Any], target: str) ->
 def test_pack_params_errors(manifest: dict[str, Any]) -> None:
     params = manifest["targets"]["a10"]["params"]
     ptrs = _pointers(params)
-    with pytest.raises(zc.CudaError, match="missing global_scratch, profile_scratch"):
-        zc.pack_params(params, {k: v for k, v in ptrs.items() if "scratch" not in k})
-    with pytest.raises(zc.CudaError, match="unknown BIAS"):
-        zc.pack_params(params, {**ptrs, "BIAS": 1})
-    with pytest.raises(zc.CudaError, match="missing A; unknown X"):
-        zc.pack_params(params, {**{k: v for k, v in ptrs.items() if k != "A"}, "X": 1})
-    with pytest.raises(zc.CudaError, match="not pointers: N"):
-        zc.pack_params([*params, {"name": "N", "type": "i32"}], {**ptrs, "N": 3})
-    with pytest.raises(zc.CudaError, match="twice"):
-        zc.pack_params([*params, params[0]], ptrs)
-    with pytest.raises(zc.CudaError, match="invalid pointer value for W"):
-        zc.pack_params(params, {**ptrs, "W": -1})
+    with pytest.raises(zl.CudaError, match="missing global_scratch, profile_scratch"):
+        zl.pack_params(params, {k: v for k, v in ptrs.items() if "scratch" not in k})
+    with pytest.raises(zl.CudaError, match="unknown BIAS"):
+        zl.pack_params(params, {**ptrs, "BIAS": 1})
+    with pytest.raises(zl.CudaError, match="missing A; unknown X"):
+        zl.pack_params(params, {**{k: v for k, v in ptrs.items() if k != "A"}, "X": 1})
+    with pytest.raises(zl.CudaError, match="not pointers: N"):
+        zl.pack_params([*params, {"name": "N", "type": "i32"}], {**ptrs, "N": 3})
+    with pytest.raises(zl.CudaError, match="twice"):
+        zl.pack_params([*params, params[0]], ptrs)
+    with pytest.raises(zl.CudaError, match="invalid pointer value for W"):
+        zl.pack_params(params, {**ptrs, "W": -1})
 
 
 def test_read_safetensors_matches_safetensors(bundle: Path) -> None:
     from safetensors.torch import load_file
 
     want = load_file(str(bundle / "weights.safetensors"))
-    got = zc.read_safetensors(bundle / "weights.safetensors")
+    got = zl.read_safetensors(bundle / "weights.safetensors")
     assert got["W"][0] == "BF16" and got["P"][0] == "F32"
     assert np.array_equal(got["W"][1], want["W"].view(__import__("torch").int16).numpy().view(np.uint16))
     assert np.array_equal(got["P"][1], want["P"].numpy())
-    tab = zc.read_safetensors(bundle / "tables" / "gpu.safetensors")
+    tab = zl.read_safetensors(bundle / "tables" / "gpu.safetensors")
     want_t = load_file(str(bundle / "tables" / "gpu.safetensors"))
     for k in ("tasks", "desc_int", "desc_float"):
         assert np.array_equal(tab[k][1], want_t[k].numpy())
     bad = bundle.parent / "bad.safetensors"
     bad.write_bytes(b"\x01")
-    with pytest.raises(zc.CudaError, match="unreadable safetensors"):
-        zc.read_safetensors(bad)
+    with pytest.raises(zl.CudaError, match="unreadable safetensors"):
+        zl.read_safetensors(bad)
 
 
 # ---- the host protocol over a fake driver ----------------------------------------------------------
@@ -215,10 +217,10 @@ class FakeDriver:
         self.layout: dict[str, Any] = {}
         self.names: list[str] = []
 
-    def open(self, index: int) -> zc.DeviceInfo:
+    def open(self, index: int) -> zd.DeviceInfo:
         if index != 0:
-            raise zc.CudaError(f"CUDA device {index} does not exist (this machine has 1)")
-        return zc.DeviceInfo(index, self.name, self.cc, self.sms)
+            raise zl.CudaError(f"CUDA device {index} does not exist (this machine has 1)")
+        return zd.DeviceInfo(index, self.name, self.cc, self.sms)
 
     def activate(self) -> None:
         self.activations += 1
@@ -329,7 +331,7 @@ def _fake_backend(bundle: Path, manifest: dict[str, Any], *, ctrl: str = "mapped
     drv = FakeDriver(**kw)
     drv.layout = manifest["tilings"]["gpu"]["layout"]
     drv.vocab = manifest["model"]["vocab"]
-    target = zc.select_target(manifest, drv.cc, sms=drv.sms)
+    target = zl.select_target(manifest, drv.cc, sms=drv.sms)
     drv.names = [p["name"] for p in manifest["targets"][target]["params"]]
     return zc.CudaBackend(bundle, manifest, driver=drv, ctrl=ctrl, debug=debug), drv
 
@@ -344,11 +346,11 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
         assert be.config.target == "a10" and be.config.grid == 80  # the device's SM count
         assert drv.image == (bundle / "kernels" / "a10.cubin").read_bytes()
         assert drv.fn_name == "zlc_megakernel" and drv.fn_shared == manifest["targets"]["a10"]["metadata"]["shared"]
-        w = zc.read_safetensors(bundle / "weights.safetensors")
-        t = zc.read_safetensors(bundle / "tables" / "gpu.safetensors")
+        w = zl.read_safetensors(bundle / "weights.safetensors")
+        t = zl.read_safetensors(bundle / "tables" / "gpu.safetensors")
         p = be.pointers
-        assert _bytes(p["W"], zc.arena_bytes(manifest, "W")) == w["W"][1].tobytes()
-        assert _bytes(p["P"], zc.arena_bytes(manifest, "P")) == w["P"][1].tobytes()
+        assert _bytes(p["W"], zl.arena_bytes(manifest, "W")) == w["W"][1].tobytes()
+        assert _bytes(p["P"], zl.arena_bytes(manifest, "P")) == w["P"][1].tobytes()
         for name, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
             assert _bytes(p[name], t[key][1].nbytes) == t[key][1].tobytes()
         lay = manifest["tilings"]["gpu"]["layout"]
@@ -404,9 +406,9 @@ def test_session_and_decode_chain(bundle: Path, manifest: dict[str, Any], ctrl: 
         # a plain launch after a chain does not auto-advance
         tok, _ = be.launch(fmt.MODE_DECODE, [9], 30, False, False)
         assert tok == toy_next(9, 30, vocab) and be.ctrl[fmt.CTRL_PAST] == 30
-        with pytest.raises(zc.CudaError, match="exceed max_seq"):
+        with pytest.raises(zl.CudaError, match="exceed max_seq"):
             be.decode_chain(first, 60, 10)
-        with pytest.raises(zc.CudaError, match="takes 1"):
+        with pytest.raises(zl.CudaError, match="takes 1"):
             be.launch(fmt.MODE_PREFILL, list(range(chunk + 1)), 0, False, False)
     finally:
         be.close()
@@ -415,7 +417,7 @@ def test_session_and_decode_chain(bundle: Path, manifest: dict[str, Any], ctrl: 
 def test_error_flag_and_counters(bundle: Path, manifest: dict[str, Any]) -> None:
     be, drv = _fake_backend(bundle, manifest)
     drv.flag_error = fmt.ERROR_WAIT_TIMEOUT
-    with pytest.raises(zc.CudaError, match="error flags 1"):
+    with pytest.raises(zl.CudaError, match="error flags 1"):
         be.launch(fmt.MODE_DECODE, [1], 0, False, False)
     drv.flag_error = 0
     assert be.ctrl[fmt.CTRL_ERROR] == 1
@@ -425,7 +427,7 @@ def test_error_flag_and_counters(bundle: Path, manifest: dict[str, Any]) -> None
     be.close()
     be, drv = _fake_backend(bundle, manifest, debug=True)
     drv.leave_counters = True
-    with pytest.raises(zc.CudaError, match="did not reset its counters"):
+    with pytest.raises(zl.CudaError, match="did not reset its counters"):
         be.launch(fmt.MODE_DECODE, [1], 0, False, False)
     be.close()
     be.close()  # idempotent
@@ -439,23 +441,23 @@ def test_weights_override(bundle: Path, manifest: dict[str, Any]) -> None:
     be = zc.CudaBackend(bundle, manifest, driver=drv, weights={"W": W, "P": P})
     assert _bytes(be.pointers["W"], W.nbytes) == W.tobytes()
     be.close()
-    with pytest.raises(zc.CudaError, match=r"W arena is 2 bytes; the manifest says \d+"):
+    with pytest.raises(zl.CudaError, match=r"W arena is 2 bytes; the manifest says \d+"):
         zc.CudaBackend(bundle, manifest, driver=FakeDriver(), weights={"W": W[:1], "P": P})
-    with pytest.raises(zc.CudaError, match="no P arena"):
+    with pytest.raises(zl.CudaError, match="no P arena"):
         zc.CudaBackend(bundle, manifest, driver=FakeDriver(), weights={"W": W})
 
 
 def test_backend_errors_free_what_they_allocated(bundle: Path, manifest: dict[str, Any]) -> None:
     drv = FakeDriver(cc=75, sms=40, name="Tesla T4")
-    with pytest.raises(zc.CudaError, match=r"this GPU is sm_75 \(Tesla T4\)"):
+    with pytest.raises(zl.CudaError, match=r"this GPU is sm_75 \(Tesla T4\)"):
         zc.CudaBackend(bundle, manifest, driver=drv)
     assert drv.closed and not drv.buffers
     drv = FakeDriver(cc=86)
-    with pytest.raises(zc.CudaError, match=r"target 'h100' \(sm_90\) does not run on this GPU \(sm_86"):
+    with pytest.raises(zl.CudaError, match=r"target 'h100' \(sm_90\) does not run on this GPU \(sm_86"):
         zc.CudaBackend(bundle, manifest, driver=drv, target="h100")
-    with pytest.raises(zc.CudaError, match="device 3 does not exist"):
+    with pytest.raises(zl.CudaError, match="device 3 does not exist"):
         zc.CudaBackend(bundle, manifest, driver=FakeDriver(), device=3)
-    with pytest.raises(zc.CudaError, match="ctrl must be"):
+    with pytest.raises(zl.CudaError, match="ctrl must be"):
         zc.CudaBackend(bundle, manifest, driver=FakeDriver(), ctrl="zero-copy")
 
 
@@ -464,7 +466,7 @@ def test_backend_errors_free_what_they_allocated(bundle: Path, manifest: dict[st
 
 def _gpu_present() -> bool:
     try:
-        drv = zc.CudaDriver()
+        drv = zd.CudaDriver()
         drv.open(0)
         drv.close()
         return True
@@ -480,7 +482,7 @@ def test_session_cuda_without_gpu_is_one_clear_error(bundle: Path) -> None:
     b = zlc.load(bundle)
     with pytest.raises(ZlcError) as e:
         b.session("cuda")
-    assert isinstance(e.value, zc.CudaError)
+    assert isinstance(e.value, zl.CudaError)
     assert "no CUDA driver/GPU" in str(e.value) or "pip install cuda-python" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ZlcError, match="use cuda or cuda:N"):
@@ -490,7 +492,7 @@ def test_session_cuda_without_gpu_is_one_clear_error(bundle: Path) -> None:
 def test_missing_bindings_say_what_to_install(bundle: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
-    with pytest.raises(zc.CudaError, match="pip install cuda-python"):
+    with pytest.raises(zl.CudaError, match="pip install cuda-python"):
         zlc.load(bundle).session("cuda")
 
 
@@ -512,10 +514,10 @@ def test_cli_run_cuda_without_gpu(bundle: Path) -> None:
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and driver (cuda-python); none here")
 def test_real_gpu_matches_interpreter(tmp_path: Path, tiny_onnx: Path) -> None:
-    drv = zc.CudaDriver()
+    drv = zd.CudaDriver()
     info = drv.open(0)
     drv.close()
-    name = zc.suggest_target(info.cc, info.sms, info.name)
+    name = zl.suggest_target(info.cc, info.sms, info.name)
     if name is None:
         pytest.skip(f"zlc has no compile target for sm_{info.cc} ({info.name})")
     out = tmp_path / "tiny.zlc"

@@ -176,7 +176,8 @@ def test_tied_constants_share_one_offset_and_all_resolve(tmp_path: Path) -> None
     names are listed at that offset so the bundle's IR can be rebuilt from the arenas."""
     from safetensors.torch import load_file, save_file
 
-    from zlc.codegen.schedule import pack_arenas, schedule, tiling_for
+    from zlc.codegen.pack import pack_arenas
+    from zlc.codegen.schedule import schedule, tiling_for
     from zlc.ir.text import parse_graph
     from zlc.targets import get_target
     from zlc.testing import zoo

@@ -1,0 +1,465 @@
+"""Lowering the raised graph to ops and tasks: fusion, tiles, and the regions each task touches.
+
+Fusion happens here, on the transformer-level ops:
+- RMSNorm/LayerNorm are not tasks: every Linear tile that consumes a norm recomputes the row's
+  statistics (the row is small and already read for the matrix-vector product), which removes a
+  whole barrier per norm;
+- the residual Add after a projection (attention output, MLP down) is the projection's epilogue;
+- SplitHeads/MergeHeads are layouts, RoPE is applied where q is loaded (attention) and where k is
+  written to the cache (cache-append), Positions are `past_len + row`;
+- GatedMLP is two ops (gate*up with the activation in the epilogue, then down + residual);
+- the LM head writes logits and a per-task (max, argmax) partial; one argmax task reduces them.
+
+Each IR value the kernel materializes gets a view (a buffer, a norm to fuse, split heads, ...);
+each op kind has an `op_<Kind>` method that emits its tasks with the regions they read and write,
+which is all the event derivation (schedule.py) looks at. Buffers, constants and descriptors are
+placed through `pack.Layout`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from zlc.bundle import (
+    OP_ARGMAX,
+    OP_ATTENTION,
+    OP_ATTN_COMBINE,
+    OP_CACHE_APPEND,
+    OP_EMBED,
+    OP_LINEAR,
+)
+from zlc.errors import ZlcError
+from zlc.ir import Graph, Node, Value
+
+from .pack import Layout
+from .program import (
+    ACTIVATIONS,
+    NORM_LAYER,
+    NORM_NONE,
+    NORM_RMS,
+    ROPE_HALF,
+    ROPE_INTERLEAVED,
+    ROPE_NONE,
+    Buffer,
+    Region,
+    Task,
+    Tiling,
+)
+
+
+class ScheduleError(ZlcError):
+    """The raised graph has a shape the megakernel cannot run; names the node."""
+
+
+# ---- how IR values live in memory -----------------------------------------------------------
+
+@dataclass
+class Buf:  # a [rows, cols] activation buffer
+    name: str
+    cols: int
+
+
+@dataclass
+class Norm:  # a norm's output, fused into the Linear tiles that read it
+    src: Buf
+    kind: int
+    w: int  # P offset
+    b: int  # P offset or -1
+    eps: float
+
+
+@dataclass
+class Rope:
+    kind: int
+    cos: int  # P offsets of [positions, half] tables
+    sin: int
+    half: int
+    rot: int
+    positions: int  # rows of the tables
+
+
+@dataclass
+class Heads:  # [1, H, T, D] view of a [T, H*D] buffer
+    buf: Buf
+    heads: int
+    dim: int
+    rope: Rope | None = None
+
+
+@dataclass
+class AttnOut:  # attention output, [T, H*D] once merged
+    buf: Buf
+
+
+@dataclass
+class Positions:
+    pass
+
+
+View = Buf | Norm | Heads | AttnOut | Positions
+
+
+@dataclass
+class Op:
+    """One fused op instance: its tasks per mode (decode and prefill may tile differently)."""
+
+    label: str
+    tasks: dict[str, list[Task]] = field(default_factory=dict)
+
+
+# ---- the builder -------------------------------------------------------------------------------
+
+class TaskBuilder:
+    """Walks the raised decode graph once, lowering each node to fused ops (`run`); the result is
+    `ops` (tasks per mode, events not yet assigned), `layout` and the model facts the program
+    records (head_dim, vocab, the logits buffer)."""
+
+    def __init__(self, g: Graph, tiling: Tiling, max_seq: int):
+        self.g, self.t, self.max_seq = g, tiling, max_seq
+        self.users = g.users()
+        self.views: dict[int, View] = {}
+        self.skip: set[int] = set()
+        self.layout = Layout()
+        self.ops: list[Op] = []
+        self.head_dim = 16
+        self.vocab = 0
+        self.logits = ""
+        self.n_layers = 0
+
+    # -- arenas
+    @property
+    def buffers(self) -> dict[str, Buffer]:
+        return self.layout.buffers
+
+    def buffer(self, name: str, cols: int, rows: int | None = None) -> Buf:
+        b = self.layout.buffer(name, cols, self.t.chunk if rows is None else rows)
+        return Buf(b.name, cols)
+
+    def w(self, v: Value | None, node: Node) -> int:
+        return self.layout.place(self._const(v, node), "W")
+
+    def p(self, v: Value | None, node: Node) -> int:
+        return -1 if v is None else self.layout.place(self._const(v, node), "P")
+
+    def _const(self, v: Value | None, node: Node) -> Value:
+        if v is None or v.kind != "const":
+            raise ScheduleError(f"node '{node.name}' ({node.op}): expected a constant weight, got "
+                                f"{'nothing' if v is None else v.kind + ' %' + v.name}")
+        return v
+
+    def desc(self, label: str, ints: dict[int, int], floats: dict[int, float] | None = None) -> int:
+        return self.layout.desc(label, ints, floats)
+
+
+    # -- views
+    def view(self, v: Value | None, node: Node) -> View:
+        if v is None or id(v) not in self.views:
+            what = "nothing" if v is None else f"%{v.name}"
+            raise ScheduleError(f"node '{node.name}' ({node.op}) reads {what}, which the megakernel "
+                                "does not materialize (unsupported producer pattern)")
+        return self.views[id(v)]
+
+    def buf(self, v: Value | None, node: Node) -> Buf:
+        x = self.view(v, node)
+        if isinstance(x, AttnOut):
+            return x.buf
+        if not isinstance(x, Buf):
+            raise ScheduleError(f"node '{node.name}' ({node.op}) needs a plain activation input, "
+                                f"got a {type(x).__name__.lower()} view of %{v.name if v else '?'}")
+        return x
+
+    def sole_user(self, v: Value) -> Node | None:
+        us = self.users.get(v, [])
+        is_out = any(o is v for o in self.g.outputs)
+        return us[0] if len(us) == 1 and not is_out else None
+
+    # -- ops
+    def add_op(self, label: str, tasks: list[Task] | dict[str, list[Task]]) -> Op:
+        if not isinstance(tasks, dict):  # same tiling in both modes, but each mode has its own events
+            tasks = {"prefill": tasks, "decode": [copy.deepcopy(t) for t in tasks]}
+        op = Op(label, tasks)
+        self.ops.append(op)
+        return op
+
+    def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
+                  w2: Value | None = None, bias: Value | None = None, act: str = "none",
+                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False) -> Buf:
+        if isinstance(x, Norm):
+            src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
+        elif isinstance(x, (Buf, AttnOut)):
+            src, nk, nw, nb, eps = (x if isinstance(x, Buf) else x.buf), NORM_NONE, -1, -1, 0.0
+        else:
+            raise ScheduleError(f"node '{node.name}' ({node.op}): input is a {type(x).__name__} view")
+        wv = self._const(w, node)
+        if wv.shape is None or len(wv.shape) != 2 or int(wv.shape[0]) != n or int(wv.shape[1]) != src.cols:  # type: ignore[arg-type]
+            raise ScheduleError(f"node '{node.name}' ({node.op}): weight {wv.type} does not match "
+                                f"[{n}, {src.cols}]")
+        if act not in ACTIVATIONS:
+            raise ScheduleError(f"node '{node.name}' ({node.op}): activation '{act}' has no kernel")
+        if out is None:
+            out = self.buffer(label, n)
+        t = self.t
+        nblocks = -(-n // t.block_n)
+        per = 1 if not t.max_linear_tasks else -(-nblocks // t.max_linear_tasks)
+        ranges = [(b * t.block_n, min(n, (b + per) * t.block_n)) for b in range(0, nblocks, per)]
+        partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
+        d = self.desc(label, {
+            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node),
+            5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
+            7: self.buffers[residual.name].offset if residual else -1,
+            8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
+            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps})
+        tasks = []
+        for slot, (lo, hi) in enumerate(ranges):
+            reads = [Region(src.name, 0, src.cols)]
+            if residual is not None:
+                reads.append(Region(residual.name, lo, hi))
+            writes = [Region(out.name, lo, hi)]
+            if partials is not None:
+                writes.append(Region(partials.name, slot, slot + 1))
+            tasks.append(Task(OP_LINEAR, d, lo, hi, slot, reads=reads, writes=writes,
+                              label=f"{label}[{lo}:{hi}]"))
+        self.add_op(label, tasks)
+        if lm:
+            assert partials is not None
+            self.lm_partials = partials
+            self.lm_slots = len(ranges)
+        return out
+
+    def residual_target(self, out: Value) -> tuple[Buf | None, Value]:
+        """(residual buffer, value the fused op defines): fuses `Add(x, this)` into the epilogue."""
+        add = self.sole_user(out)
+        if add is None or add.op != "Add" or len(add.inputs) != 2:
+            return None, out
+        other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+        ov = self.views.get(id(other)) if other is not None else None
+        if not isinstance(ov, Buf) or other is out or add.output.shape != out.shape:
+            return None, out
+        self.skip.add(id(add))
+        return ov, add.output
+
+    # -- per-op lowering
+    def run(self) -> None:
+        for n in self.g.nodes:
+            if id(n) in self.skip:
+                continue
+            fn = getattr(self, "op_" + n.op, None)
+            if fn is None:
+                raise ScheduleError(f"node '{n.name}': op {n.op} has no megakernel lowering "
+                                    "(raising left it op-level; see `zlc inspect --explain`)")
+            fn(n)
+        if not self.logits:
+            raise ScheduleError("the graph has no LMHead; the megakernel needs one to produce tokens")
+
+    def op_Positions(self, n: Node) -> None:
+        self.views[id(n.output)] = Positions()
+
+    def op_Embedding(self, n: Node) -> None:
+        table, idx = n.inputs[0], n.inputs[1]
+        tv = self._const(table, n)
+        hidden = int(tv.shape[1])  # type: ignore[index, arg-type]
+        tables = [(tv, idx)]
+        out_v, scale = n.output, 1.0
+        user = self.sole_user(out_v)
+        if user is not None and user.op == "Mul":  # Gemma: embedding * sqrt(hidden)
+            other = user.inputs[1] if user.inputs[0] is out_v else user.inputs[0]
+            arr = other.const_array() if other is not None else None
+            if arr is not None and arr.size == 1:
+                scale = float(arr.reshape(-1)[0])
+                self.skip.add(id(user))
+                out_v = user.output
+                user = self.sole_user(out_v)
+        if user is not None and user.op == "Add":  # GPT-2: token + position embeddings
+            other = user.inputs[1] if user.inputs[0] is out_v else user.inputs[0]
+            pn = other.producer if other is not None else None
+            if pn is not None and pn.op == "Embedding" and self.sole_user(other) is user:  # type: ignore[arg-type]
+                tables.append((self._const(pn.inputs[0], pn), pn.inputs[1]))
+                self.skip.update({id(pn), id(user)})
+                out_v = user.output
+        srcs = []
+        for tab, ix in tables:
+            if ix is not None and ix.producer is not None and ix.producer.op == "Positions":
+                srcs.append(("pos", tab))
+            elif ix is not None and ix.kind == "input":
+                srcs.append(("tok", tab))
+            else:
+                raise ScheduleError(f"node '{n.name}' (Embedding): indices must be the token ids or "
+                                    "the positions")
+        tok = [t for s, t in srcs if s == "tok"]
+        pos = [t for s, t in srcs if s == "pos"]
+        if len(tok) != 1 or len(pos) > 1:
+            raise ScheduleError(f"node '{n.name}' (Embedding): expected one token table and at most "
+                                "one position table")
+        if pos and int(pos[0].shape[0]) < self.max_seq:  # type: ignore[index, arg-type]
+            raise ScheduleError(f"--max-seq {self.max_seq} exceeds the model's {int(pos[0].shape[0])} "  # type: ignore[index, arg-type]
+                                f"learned positions (node '{n.name}'); compile with --max-seq "
+                                f"{int(pos[0].shape[0])} or less")  # type: ignore[index, arg-type]
+        out = self.buffer("embed", hidden)
+        d = self.desc("embed", {0: self.buffers[out.name].offset, 1: hidden, 2: hidden,
+                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1},
+                      {0: scale})
+        self.add_op("embed", [Task(OP_EMBED, d, writes=[Region(out.name, 0, hidden)], label="embed")])
+        self.views[id(out_v)] = out
+
+    def op_RMSNorm(self, n: Node) -> None:
+        self._norm(n, NORM_RMS, n.inputs[1], None)
+
+    def op_LayerNorm(self, n: Node) -> None:
+        self._norm(n, NORM_LAYER, n.inputs[1], n.input(2))
+
+    def _norm(self, n: Node, kind: int, w: Value | None, b: Value | None) -> None:
+        src = self.buf(n.inputs[0], n)
+        for u in self.users.get(n.output, []):
+            if u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") or u.inputs[0] is not n.output:
+                raise ScheduleError(f"node '{n.name}' ({n.op}) feeds '{u.name}' ({u.op}); norms fuse "
+                                    "only into Linear/GatedMLP/MLP/LMHead inputs")
+        self.views[id(n.output)] = Norm(src, kind, self.p(w, n), self.p(b, n),
+                                        float(n.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6)))
+
+    def op_Linear(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        wv = self._const(n.inputs[1], n)
+        res, defines = self.residual_target(n.output)
+        out = self.linear_op(n, n.name, x, wv, int(wv.shape[0]), bias=n.input(2), residual=res)  # type: ignore[index, arg-type]
+        self.views[id(defines)] = out
+
+    def op_LMHead(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        wv = self._const(n.inputs[1], n)
+        self.vocab = int(wv.shape[0])  # type: ignore[index, arg-type]
+        out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True)
+        self.logits = out.name
+        self.views[id(n.output)] = out
+        self.add_op("argmax", [Task(OP_ARGMAX, self.desc("argmax", {
+            0: self.buffers[self.lm_partials.name].offset, 1: self.lm_slots}),
+            reads=[Region(self.lm_partials.name, 0, self.lm_slots)],
+            writes=[Region("ctrl.out_token", 0, 1)], label="argmax")])
+
+    def op_GatedMLP(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        wg, wu, wd = (self._const(v, n) for v in n.inputs[1:4])
+        inter = int(wg.shape[0])  # type: ignore[index, arg-type]
+        h = self.linear_op(n, f"{n.name}.gate_up", x, wg, inter, w2=wu,
+                           act=str(n.attrs.get("activation", "silu")))
+        res, defines = self.residual_target(n.output)
+        self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
+                                                 residual=res)
+
+    def op_MLP(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        wu, wd = self._const(n.inputs[1], n), self._const(n.inputs[3], n)
+        h = self.linear_op(n, f"{n.name}.up", x, wu, int(wu.shape[0]), bias=n.input(2),  # type: ignore[index, arg-type]
+                           act=str(n.attrs.get("activation", "gelu")))
+        res, defines = self.residual_target(n.output)
+        self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
+                                                 bias=n.input(4), residual=res)
+
+    def op_SplitHeads(self, n: Node) -> None:
+        src = self.buf(n.inputs[0], n)
+        heads = int(n.attrs["heads"])
+        if src.cols % heads:
+            raise ScheduleError(f"node '{n.name}' (SplitHeads): {src.cols} columns into {heads} heads")
+        self.views[id(n.output)] = Heads(src, heads, src.cols // heads)
+
+    def op_RoPE(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        if not isinstance(x, Heads) or x.rope is not None:
+            raise ScheduleError(f"node '{n.name}' (RoPE): input must be freshly split heads")
+        pos = n.input(3)
+        if pos is None or not isinstance(self.views.get(id(pos)), Positions):
+            raise ScheduleError(f"node '{n.name}' (RoPE): positions must be past_len + row")
+        cos, sin = self._const(n.inputs[1], n), self._const(n.inputs[2], n)
+        rows, half = (int(d) for d in cos.shape)  # type: ignore[union-attr, arg-type]
+        if rows < self.max_seq:
+            raise ScheduleError(f"node '{n.name}' (RoPE): the rotary table has {rows} positions, "
+                                f"fewer than max_seq={self.max_seq}")
+        if 2 * half > x.dim:
+            raise ScheduleError(f"node '{n.name}' (RoPE): rotary width {2 * half} > head size {x.dim}")
+        kind = ROPE_INTERLEAVED if n.attrs.get("interleaved", 0) else ROPE_HALF
+        self.views[id(n.output)] = Heads(x.buf, x.heads, x.dim,
+                                         Rope(kind, self.p(cos, n), self.p(sin, n), half, 2 * half, rows))
+
+    def op_Attention(self, n: Node) -> None:
+        q, k, v = (self.view(x, n) for x in n.inputs[:3])
+        if not (isinstance(q, Heads) and isinstance(k, Heads) and isinstance(v, Heads)):
+            raise ScheduleError(f"node '{n.name}' (Attention): q, k, v must be split heads of projections")
+        if n.input(4) is None or n.input(5) is None:
+            raise ScheduleError(f"node '{n.name}' (Attention): no KV cache; compile with the KV-cache stage")
+        if not n.attrs.get("causal", 1):
+            raise ScheduleError(f"node '{n.name}' (Attention): only causal attention is supported")
+        if v.rope is not None or q.dim != k.dim or k.dim != v.dim or k.heads != v.heads or q.heads % k.heads:
+            raise ScheduleError(f"node '{n.name}' (Attention): unsupported head layout q{q.heads}x{q.dim} "
+                                f"k{k.heads}x{k.dim} v{v.heads}x{v.dim}")
+        if (q.rope is None) != (k.rope is None):
+            raise ScheduleError(f"node '{n.name}' (Attention): RoPE on only one of q and k")
+        layer = self.n_layers
+        self.n_layers += 1
+        D, hq, hkv = q.dim, q.heads, k.heads
+        self.head_dim = max(self.head_dim, D)
+        rope = q.rope or Rope(ROPE_NONE, -1, -1, 1, 0, 0)
+        ck = self.buffer(f"cache.{layer}.key", D, rows=hkv * self.max_seq)
+        cv = self.buffer(f"cache.{layer}.value", D, rows=hkv * self.max_seq)
+        kr = k.rope or rope
+        d_app = self.desc(f"{n.name}.cache_append", {
+            0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
+            3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
+            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
+        self.add_op(f"{n.name}.cache_append", [
+            Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
+                                                   Region(v.buf.name, h * D, (h + 1) * D)],
+                 writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
+                 label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)])
+        out = self.buffer(n.name, hq * D)
+        scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
+        floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0)}
+
+        def attn_desc(mode: str, partial: int, split_len: int) -> int:
+            return self.desc(f"{n.name}.attention.{mode}", {
+                0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
+                3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
+                7: rope.kind, 8: rope.cos, 9: rope.sin, 10: rope.half, 11: rope.rot,
+                12: self.max_seq * D, 13: hq // hkv, 14: partial, 15: split_len}, floats)
+
+        def reads(h: int) -> list[Region]:
+            g = h // (hq // hkv)
+            return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
+                    Region(cv.name, g, g + 1)]
+
+        t = self.t
+        d_pre = attn_desc("prefill", -1, self.max_seq)
+        nqb = -(-t.chunk // t.block_t)
+        prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h),
+                        writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t)],
+                        label=f"{n.name}.attention[h{h},q{qb}]")
+                   for h in range(hq) for qb in range(nqb)]
+        S = t.kv_splits
+        if S <= 1:
+            d_dec = attn_desc("decode", -1, self.max_seq)
+            decode = [Task(OP_ATTENTION, d_dec, h, 0, 0, reads=reads(h),
+                           writes=[Region(out.name, h * D, (h + 1) * D)],
+                           label=f"{n.name}.attention[h{h}]") for h in range(hq)]
+            self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
+        else:
+            split_len = -(-self.max_seq // S)
+            split_len += (-split_len) % t.block_kv
+            part = self.buffer(f"{n.name}.partials", hq * S * (D + 2), rows=1)
+            d_dec = attn_desc("decode", self.buffers[part.name].offset, split_len)
+            decode = [Task(OP_ATTENTION, d_dec, h, 0, s, reads=reads(h),
+                           writes=[Region(part.name, h * S + s, h * S + s + 1)],
+                           label=f"{n.name}.attention[h{h},s{s}]") for h in range(hq) for s in range(S)]
+            self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
+            d_comb = self.desc(f"{n.name}.combine", {0: self.buffers[part.name].offset,
+                                                     1: self.buffers[out.name].offset, 2: out.cols, 3: D, 4: S})
+            self.add_op(f"{n.name}.combine", {"prefill": [], "decode": [
+                Task(OP_ATTN_COMBINE, d_comb, h, reads=[Region(part.name, h * S, (h + 1) * S)],
+                     writes=[Region(out.name, h * D, (h + 1) * D)], label=f"{n.name}.combine[h{h}]")
+                for h in range(hq)]})
+        self.views[id(n.output)] = AttnOut(out)
+
+    def op_MergeHeads(self, n: Node) -> None:
+        x = self.view(n.inputs[0], n)
+        if not isinstance(x, AttnOut):
+            raise ScheduleError(f"node '{n.name}' (MergeHeads): input must be an attention output")
+        self.views[id(n.output)] = x.buf
