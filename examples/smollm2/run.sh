@@ -19,7 +19,7 @@ if [ ! -f "$out/smollm2.onnx" ]; then
     echo "+ python examples/smollm2/export.py --out-dir $out" >&2
     python examples/smollm2/export.py --out-dir "$out"
 fi
-gguf=$(python -c "from zlc.zoo import smollm2_gguf_path; print(smollm2_gguf_path())")
+gguf=$(python -c "from zlc.testing.zoo import smollm2_gguf_path; print(smollm2_gguf_path())")
 echo "+ zlc compile $out/smollm2.onnx --target a10 --target h100 --tokenizer $gguf -o $out/smollm2.zlc" >&2
 zlc compile "$out/smollm2.onnx" --target a10 --target h100 --tokenizer "$gguf" -o "$out/smollm2.zlc"
 echo "+ zlc run $out/smollm2.zlc --prompt \"$prompt\" --max-new-tokens ${MAX_NEW_TOKENS:-12}" >&2

@@ -1,0 +1,184 @@
+"""The zoo's model families: tiny, deterministic, random-weight Hugging Face decoders.
+
+Families (:data:`FAMILIES`): ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``; 2 layers,
+hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2 has no GQA, so 4), vocab 256,
+intermediate 128, 256 positions, fp32, ``attn_implementation="eager"``. Weights are drawn from
+``torch.manual_seed(seed)`` and then re-drawn at a scale that makes the tests discriminating: every
+matrix ~ N(0, 1/8) (unit-scale activations, attention that is far from uniform), every vector
+(norm weights, biases) is its HF init plus N(0, 0.1), so biases and norm gains are non-trivial.
+
+``llama-chat`` is the tiny Llama with room for :func:`save_chat_tokenizer`'s byte-level ChatML
+tokenizer (vocab :data:`CHAT_VOCAB`): what ``zlc serve``'s tests talk to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zlc.testing.quiet import quiet
+
+if TYPE_CHECKING:  # heavy imports stay lazy: importing the zoo must not import torch/transformers
+    import torch
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=2,
+    vocab_size=256,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+#: Vocabulary of the "llama-chat" family and of :func:`save_chat_tokenizer`'s tokenizer.
+CHAT_VOCAB = 264
+#: ChatML, as SmolLM2 and Qwen use it (no default system prompt).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+#: Tiny Hugging Face decoder configs, ``AutoConfig.for_model(**FAMILIES[name])``.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", **_COMMON),
+    "qwen2": dict(model_type="qwen2", **_COMMON),  # q/k/v biases
+    "mistral": dict(model_type="mistral", **_COMMON),  # sliding_window=4096 (> max positions)
+    # fused qkv_proj / gate_up_proj; original_max_position_embeddings keeps it plain (not LongRoPE)
+    "phi3": dict(model_type="phi3", original_max_position_embeddings=256, **_COMMON),
+    # head_dim would default to 256; tied embeddings, sqrt(hidden) embedding scale, (1 + w) RMSNorm
+    "gemma": dict(model_type="gemma", **_COMMON),
+    # the tiny Llama with room for a byte-level chat tokenizer (256 bytes + 3 specials, padded to
+    # 264): what `zlc serve`'s tests talk to through the Anthropic and OpenAI SDKs
+    "llama-chat": dict(model_type="llama", **{**_COMMON, "vocab_size": CHAT_VOCAB}),
+    # MHA only (n_head KV heads), learned positions, LayerNorm, Conv1D (Gemm), tied embeddings
+    "gpt2": dict(
+        model_type="gpt2",
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        n_inner=128,
+        n_positions=256,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+_WEIGHT_STD = 0.125  # 1/sqrt(hidden): unit-scale activations
+_VECTOR_STD = 0.1
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of one family's KV cache: ``past_key_values.{i}.key`` is ``[1, num_kv_heads, past, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def hf_config(family: str) -> Any:
+    """The ``transformers`` config of a zoo family (eager attention)."""
+    from transformers import AutoConfig
+
+    if family not in FAMILIES:
+        raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
+    kw = dict(FAMILIES[family])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def kv_spec(family: str) -> KVSpec:
+    """KV-cache geometry of a family (see :class:`KVSpec`)."""
+    cfg = hf_config(family)
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return KVSpec(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size)
+
+
+def hf_model(family: str, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+    """A tiny random-weight ``AutoModelForCausalLM`` of ``family`` in eval mode, fp32.
+
+    Deterministic in ``seed``; the global torch RNG state is left untouched.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(family)
+    with quiet(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
+        with torch.no_grad():
+            for _, p in sorted(model.named_parameters()):
+                if p.dim() >= 2:
+                    p.normal_(0.0, _WEIGHT_STD)
+                else:
+                    p.add_(torch.randn_like(p) * _VECTOR_STD)
+    return model.float().eval()
+
+
+def save_hf_dir(family: str, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """``save_pretrained`` the family's model plus a trivial 256-token word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model: Any = hf_model(family, seed)
+    with quiet():
+        model.save_pretrained(out)
+        vocab = {f"<{i}>": i for i in range(model.config.vocab_size)}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="<0>", pad_token="<0>", bos_token="<1>", eos_token="<2>"
+        ).save_pretrained(out)
+    return out
+
+
+def save_chat_tokenizer(out_dir: str | os.PathLike[str]) -> Path:
+    """A byte-level BPE tokenizer without merges (every UTF-8 byte one token, ids 0..255) plus
+    ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (256..258) and a ChatML template, written as a
+    Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json) for the "llama-chat"
+    family: any text round-trips, so a random-weight model's replies decode deterministically."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _BYTE_OF[ch])
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "bos_token": None, "add_bos_token": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte -> printable-character map, inverted (the ByteLevel alphabet's order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_of()

@@ -1,0 +1,11 @@
+"""The serving wing (`zlc serve`): ingress and engine around one bundle.
+
+    client -- HTTP (api_anthropic, api_openai over http) / frames (TCP, UDP; xdp) --> server (ingress)
+           -- rings (shared memory, C11 atomics in _rings.c) --> engine (one executor, FIFO) --> client
+
+`server` owns the event loop and connections, `engine_client` the engine process it spawns, `engine`
+runs in that process over `zlc.runtime.loader`; `textstream` turns token ids into text deltas,
+`metrics` is /metrics. docs/serving.md has the design and docs/frames.md the binary frame format.
+The wing stands on the runtime (it loads bundles through `zlc.runtime.loader`) and imports no
+compiler module.
+"""
