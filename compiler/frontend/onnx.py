@@ -1,127 +1,28 @@
 """ONNX frontend: reads a model with onnx-ir (external weights are memory-mapped, never copied)
-and lowers every node through the versioned registry in onnx_ops/onnx_contrib into zlc's IR."""
+and lowers every node through the versioned registry (registry.py) into zlc's IR.
+
+The converters live by family in onnx_ops.py (elementwise, linear algebra, reductions, shapes),
+onnx_nn.py (normalization, attention, rotary embeddings) and onnx_contrib.py (com.microsoft); they
+build with onnx_context.py. This module imports them only so that they register themselves."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir
-import torch
 
 from zlc.errors import IRError, ModelFormatError, ShapeError, UnsupportedOpError, ZlcError
 from zlc.ir import Graph, Value, verify_graph
-from zlc.ir.types import Dim, DType, TensorType
+from zlc.ir.types import Dim, TensorType
 
-from . import onnx_contrib, onnx_ops  # noqa: F401  (register the converters)
+from . import onnx_contrib, onnx_nn, onnx_ops  # noqa: F401  (register the converters)
+from .onnx_context import OnnxContext, array_to_ir, dtype_from_onnx, sanitize
 from .registry import ONNX_OPS
 
-_DTYPES: dict[onnx_ir.DataType, DType] = {
-    onnx_ir.DataType.FLOAT: DType.f32, onnx_ir.DataType.FLOAT16: DType.f16,
-    onnx_ir.DataType.BFLOAT16: DType.bf16, onnx_ir.DataType.DOUBLE: DType.f64,
-    onnx_ir.DataType.INT64: DType.i64, onnx_ir.DataType.INT32: DType.i32,
-    onnx_ir.DataType.INT16: DType.i16, onnx_ir.DataType.INT8: DType.i8,
-    onnx_ir.DataType.UINT8: DType.u8, onnx_ir.DataType.BOOL: DType.bool,
-}
-_ONNX_INT_DTYPES = {int(k): v for k, v in _DTYPES.items()}
-
-
-def dtype_from_onnx(code: int | onnx_ir.DataType, where: str = "") -> DType:
-    try:
-        return _ONNX_INT_DTYPES[int(code)]
-    except KeyError:
-        name = onnx_ir.DataType(int(code)).name if int(code) in onnx_ir.DataType._value2member_map_ else code
-        raise ModelFormatError(f"unsupported element type {name}{where}") from None
-
-
-def sanitize(name: str | bytes) -> str:
-    """IR value names: ONNX allows any string; the text form needs no spaces, commas or parens."""
-    if isinstance(name, bytes):  # onnx-ir keeps names that are not valid UTF-8 as bytes
-        name = name.decode("utf-8", errors="replace")
-    out = "".join(c if (c.isascii() and c.isalnum() or c in "_.") else "_" for c in str(name))
-    return out or "v"
-
-
-def array_to_ir(arr: np.ndarray) -> Any:
-    """numpy array as IR constant data, without a copy (bf16 arrays become torch views)."""
-    if arr.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
-    try:
-        DType.from_numpy(arr.dtype)
-    except ValueError:
-        raise ModelFormatError(f"unsupported constant element type {arr.dtype}") from None
-    return arr
-
-
-class OnnxContext:
-    """What a converter sees: the node, its inputs as IR values, attributes, the opset."""
-
-    def __init__(self, g: Graph, node: onnx_ir.Node, inputs: list[Value | None], opset: int,
-                 display_name: str | None = None):
-        self.g = g
-        self.node = node
-        self.inputs = inputs
-        self.opset = opset
-        # unnamed nodes (common in hand-built graphs) are called <op>_<index in the graph>
-        self.display_name = display_name or node.name or node.op_type
-        self.name = sanitize(self.display_name)
-
-    # inputs -------------------------------------------------------------------------------
-    def inp(self, i: int) -> Value | None:
-        return self.inputs[i] if i < len(self.inputs) else None
-
-    def req(self, i: int) -> Value:
-        v = self.inp(i)
-        if v is None:
-            raise self.unsupported(f"required input {i} is missing")
-        return v
-
-    def const(self, i: int) -> np.ndarray | None:
-        """Constant data of input i: an initializer/Constant, or shape arithmetic known statically."""
-        v = self.inp(i)
-        if v is None:
-            return None
-        if v.data is not None:
-            return v.const_array()
-        if v.sym is not None and all(isinstance(x, int) for x in v.sym):
-            arr = np.array(v.sym, dtype=np.int64)
-            return arr.reshape(()) if v.shape == () else arr
-        return None
-
-    def ints(self, i: int, what: str) -> list[int]:
-        c = self.const(i)
-        if c is None:
-            raise self.unsupported(f"{what} (input {i}) must be a constant")
-        return [int(x) for x in np.asarray(c).reshape(-1)]
-
-    # attributes ---------------------------------------------------------------------------
-    def attr(self, name: str, default: Any = None) -> Any:
-        a = self.node.attributes.get(name)
-        if a is None:
-            return default
-        v = a.value
-        if isinstance(v, onnx_ir.TensorProtocol):
-            return v.numpy()
-        if isinstance(v, (list, tuple)):
-            return list(v)
-        return v
-
-    # building -----------------------------------------------------------------------------
-    def emit(self, op: str, *ins: Value | None, n_outputs: int = 1, **attrs: Any) -> Any:
-        node = self.g.add_node(op, list(ins), attrs, name=self.name, n_outputs=n_outputs)
-        return node.output if n_outputs == 1 else node.outputs
-
-    def const_value(self, data: Any) -> Value:
-        return self.g.add_const(self.name + "_c", data, unique=True)
-
-    def unsupported(self, why: str) -> ZlcError:
-        n = self.node
-        dom = n.domain or "ai.onnx"
-        return ModelFormatError(f"{dom}::{n.op_type} (opset {self.opset}) at node '{self.display_name}': {why}")
+__all__ = ["array_to_ir", "deserialize", "dtype_from_onnx", "import_onnx", "load_onnx", "sanitize"]
 
 
 def _value_type(v: onnx_ir.Value, where: str) -> TensorType:
@@ -269,7 +170,7 @@ def _opsets(m: onnx_ir.Model) -> dict[str, int]:
 def _unique(g: Graph, onnx_name: str) -> str:
     """The sanitized name, suffixed if sanitizing made two ONNX names collide ('a b' and 'a_b')."""
     name = g.fresh_name(sanitize(onnx_name))
-    g._names.discard(name)  # add_input/add_const claim it again
+    g.release_name(name)  # add_input/add_const claim it again
     return name
 
 
@@ -348,9 +249,9 @@ def _add_outputs(g: Graph, og: onnx_ir.Graph, env: dict[str, Value]) -> None:
             raise ModelFormatError(f"graph output '{v.name}' is not produced by any node")
         val = env[v.name]
         target = sanitize(v.name)
-        if val.kind == "node" and val.name != target and target not in g._names and val not in g.outputs:
-            g._names.discard(val.name)  # keep the model's output names (logits, present.0.key, ...)
-            val.name = g._claim(target)
+        if val.kind == "node" and val.name != target and not g.has_name(target) and val not in g.outputs:
+            g.release_name(val.name)  # keep the model's output names (logits, present.0.key, ...)
+            val.name = g.claim_name(target)
         g.outputs.append(val)
     if not g.outputs:
         raise ModelFormatError("the model's graph has no outputs")

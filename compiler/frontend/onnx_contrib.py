@@ -18,23 +18,20 @@ import numpy as np
 from zlc.ir import Value
 from zlc.ir.types import DType
 
-from .onnx_ops import (
+from .onnx_context import OnnxContext as Cx
+from .onnx_nn import (
     AttentionSpec,
-    _i64,
-    _norm_axes,
-    _norm_decomposed,
-    _rms_norm,
-    _wants,
     decomposed_attention,
-    dim_of,
     merge_heads,
+    norm_axes,
+    norm_decomposed,
+    rms_norm,
     rope_4d,
     same_dim,
     split_heads,
 )
 from .registry import onnx_op
 
-Cx = Any  # OnnxContext
 MS = "com.microsoft"
 
 
@@ -65,7 +62,7 @@ def _split_last(cx: Cx, x: Value, sizes: list[int]) -> list[Value]:
 def _scalar_i64(cx: Cx, v: Value) -> Value:
     """A scalar (or 1-element) integer tensor as an i64 scalar."""
     v = v if v.dtype == DType.i64 else cx.emit("Cast", v, to="i64")
-    return cx.emit("Reshape", v, _i64(cx, []))
+    return cx.emit("Reshape", v, cx.i64([]))
 
 
 def _fused_or_general(cx: Cx, q: Value, k: Value, v: Value, *, causal: bool, scale: float | None,
@@ -99,7 +96,7 @@ def _gqa_check_attrs(cx: Cx) -> None:
     for name in ("k_quant_type", "v_quant_type"):
         if str(cx.attr(name, "NONE")) not in ("NONE", ""):
             raise cx.unsupported(f"a quantized KV cache ({name}={cx.attr(name)}) is not supported")
-    if _wants(cx, 3):
+    if cx.wants(3):
         raise cx.unsupported("the output_qk output is not supported")
 
 
@@ -133,7 +130,7 @@ def _group_query_attention(cx: Cx) -> list[Value | None]:
     # Assumption (onnxruntime-genai, batch 1, no padding): past_key holds exactly the past tokens
     # (no shared max-length buffer), so past_len = total_sequence_length - S and seqlens_k (which
     # only matters for ragged/padded batches) is not read. New tokens sit at past_len + arange(S).
-    seq = dim_of(cx, q, 2)
+    seq = cx.dim_of(q, 2)
     past_len = cx.emit("Sub", _scalar_i64(cx, cx.req(6)), seq)
     if int(cx.attr("do_rotary", 0)):
         cos, sin = cx.req(7), cx.req(8)
@@ -198,7 +195,7 @@ def _mha_qkv(cx: Cx, heads: int) -> tuple[Value, Value, Value]:
     if key.type.rank == 4 and value.type.rank == 4:  # cross attention on projected [B, H, L, D]
         if cx.inp(3) is not None:
             q_width = _static_last(cx, query, "bias")
-            bq = cx.emit("Slice", cx.inp(3), _i64(cx, [0]), _i64(cx, [q_width]))
+            bq = cx.emit("Slice", cx.inp(3), cx.i64([0]), cx.i64([q_width]))
             query = cx.emit("Add", query, bq)
         return split_heads(cx, query, heads), key, value
     query, key, value = _mha_bias(cx, query, key, value)
@@ -211,7 +208,7 @@ def _multi_head_attention(cx: Cx) -> list[Value | None]:
     heads = _heads(cx, "num_heads")
     _reject_inputs(cx, {4: "key_padding_mask", 8: "past_sequence_length (shared past/present buffer)",
                         9: "cache_indirection (beam search)"})
-    if _wants(cx, 3):
+    if cx.wants(3):
         raise cx.unsupported("the qk output is not supported")
     q, k, v = _mha_qkv(cx, heads)
     past_k, past_v = cx.inp(6), cx.inp(7)
@@ -219,7 +216,7 @@ def _multi_head_attention(cx: Cx) -> list[Value | None]:
         raise cx.unsupported("past_key and past_value must be given together")
     k_new, past_len = k, None
     if past_k is not None:
-        past_len = dim_of(cx, past_k, 2)
+        past_len = cx.dim_of(past_k, 2)
         k, v = cx.emit("Concat", past_k, k, axis=2), cx.emit("Concat", past_v, v, axis=2)
     y = _fused_or_general(cx, q, k, v, causal=bool(int(cx.attr("unidirectional", 0))),
                           scale=_float_attr(cx, "scale"), softcap=0.0, bias=cx.inp(5),
@@ -262,11 +259,11 @@ def _rotary_contrib(cx: Cx) -> Value:
 
 def _simplified_layer_norm(cx: Cx) -> list[Value | None]:
     """RMS normalization over axes [axis, rank); optional output 1 is inv_std_var."""
-    if not _wants(cx, 1):
-        return [_rms_norm(cx)]
+    if not cx.wants(1):
+        return [rms_norm(cx)]
     x, w = cx.req(0), cx.req(1)
-    axis, rank = _norm_axes(cx, x)
-    y, _, inv_std = _norm_decomposed(cx, x, axis, rank, rms=True)
+    axis, rank = norm_axes(cx, x)
+    y, _, inv_std = norm_decomposed(cx, x, axis, rank, rms=True)
     y = y if y.dtype == x.dtype else cx.emit("Cast", y, to=x.dtype.value)
     return [cx.emit("Mul", y, w), inv_std]
 
@@ -287,15 +284,15 @@ def _skip_norm(cx: Cx, rms: bool) -> list[Value | None]:
     s = _skip_sum(cx, 3 if rms else 4)
     gamma, beta = cx.req(2), (None if rms else cx.inp(3))
     eps = float(cx.attr("epsilon", 1e-12))
-    if rms and _wants(cx, 1):
+    if rms and cx.wants(1):
         raise cx.unsupported("the mean output of SkipSimplifiedLayerNormalization is not defined")
-    stats = _wants(cx, 1) or _wants(cx, 2)
+    stats = cx.wants(1) or cx.wants(2)
     mean = inv_std = None
     if stats or s.dtype != DType.f32:
         rank = s.type.rank
         if rank is None:
             raise cx.unsupported("needs an input of known rank")
-        y, mean, inv_std = _norm_decomposed(cx, s, rank - 1, rank, rms=rms, eps=eps)
+        y, mean, inv_std = norm_decomposed(cx, s, rank - 1, rank, rms=rms, eps=eps)
         y = y if y.dtype == s.dtype else cx.emit("Cast", y, to=s.dtype.value)
         y = cx.emit("Mul", y, gamma)
         if beta is not None:
@@ -304,8 +301,8 @@ def _skip_norm(cx: Cx, rms: bool) -> list[Value | None]:
         y = cx.emit("RMSNorm", s, gamma, eps=eps)
     else:
         y = cx.emit("LayerNorm", *([s, gamma] + ([beta] if beta is not None else [])), eps=eps)
-    return [y, mean if _wants(cx, 1) else None, inv_std if _wants(cx, 2) else None,
-            s if _wants(cx, 3) else None]
+    return [y, mean if cx.wants(1) else None, inv_std if cx.wants(2) else None,
+            s if cx.wants(3) else None]
 
 
 onnx_op("SkipSimplifiedLayerNormalization", since=1, domain=MS)(lambda cx: _skip_norm(cx, rms=True))

@@ -1,14 +1,19 @@
-"""Values, nodes and graphs: the one graph type that holds op-level and transformer-level nodes.
+"""Graphs: the one graph type that holds op-level and transformer-level nodes, its builder and
+its text form's printer.
 
-A Value is produced by exactly one of: a graph input, a constant (weight or small literal, data
-kept by reference, never copied), a state buffer owned by the compiler (the KV cache), or a node.
 Use lists are computed on demand (`Graph.users()`) rather than maintained incrementally, which
 keeps rewrites simple and correct; graphs here are thousands of nodes, not millions.
+
+Layering inside the IR (one way, no lazy imports): types -> values (Value, Node) -> ops (the op
+table and shape inference, on values) -> graph (the builder, which infers the types of the nodes it
+makes) -> text (the parser, which builds graphs). The printer lives here rather than in text.py so
+that `str(g)` needs nothing from above; text.py re-exports it beside the parser it round-trips with.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,75 +22,13 @@ import torch
 
 from zlc.errors import IRError
 
-from .types import Dim, DType, TensorType
+from .ops import infer_sym, infer_types
+from .types import DType, TensorType
+from .values import Node, Value
 
-ConstData = "np.ndarray | torch.Tensor"
+__all__ = ["Graph", "Node", "Value", "print_graph", "reinfer"]
 
-
-class Value:
-    __slots__ = ("name", "type", "producer", "data", "kind", "sym")
-
-    def __init__(self, name: str, type: TensorType, kind: str, producer: Node | None = None,
-                 data: Any = None):
-        self.name = name
-        self.type = type
-        self.kind = kind  # "input" | "const" | "state" | "node"
-        self.producer = producer
-        self.data = data  # np.ndarray / torch.Tensor for consts, else None
-        # Known elements of a small integer tensor (shape arithmetic): ints and symbolic dims.
-        self.sym: tuple[Dim, ...] | None = None
-
-    @property
-    def dtype(self) -> DType:
-        return self.type.dtype
-
-    @property
-    def shape(self) -> tuple[Dim, ...] | None:
-        return self.type.shape
-
-    @property
-    def is_const(self) -> bool:
-        return self.kind == "const"
-
-    def const_array(self) -> np.ndarray | None:
-        """The constant's data as numpy (shares memory where possible), else None."""
-        if self.data is None:
-            return None
-        if isinstance(self.data, torch.Tensor):
-            t = self.data.detach()
-            if t.dtype == torch.bfloat16:
-                t = t.float()
-            return t.cpu().numpy()
-        return np.asarray(self.data)
-
-    def __repr__(self) -> str:
-        return f"%{self.name}: {self.type}"
-
-
-class Node:
-    __slots__ = ("op", "inputs", "outputs", "attrs", "name")
-
-    def __init__(self, op: str, inputs: Sequence[Value | None], outputs: Sequence[Value],
-                 attrs: dict[str, Any] | None = None, name: str = ""):
-        self.op = op
-        self.inputs: list[Value | None] = list(inputs)
-        self.outputs: list[Value] = list(outputs)
-        self.attrs: dict[str, Any] = dict(attrs or {})
-        self.name = name
-
-    @property
-    def output(self) -> Value:
-        if len(self.outputs) != 1:
-            raise IRError(f"node '{self.name}' ({self.op}) has {len(self.outputs)} outputs, not 1")
-        return self.outputs[0]
-
-    def input(self, i: int) -> Value | None:
-        return self.inputs[i] if i < len(self.inputs) else None
-
-    def __repr__(self) -> str:
-        ins = ", ".join("_" if v is None else f"%{v.name}" for v in self.inputs)
-        outs = ", ".join(f"%{v.name}" for v in self.outputs)
-        return f"{outs} = {self.op}({ins}) @{self.name}"
+INLINE_MAX = 16  # constants with at most this many elements print their data
 
 
 class Graph:
@@ -121,20 +64,34 @@ class Graph:
         self._node_names.add(cand)
         return cand
 
-    def _claim(self, name: str) -> str:
+    def claim_name(self, name: str) -> str:
+        """Takes `name` for a new value; IRError if a value already has it."""
         if name in self._names:
             raise IRError(f"duplicate value name '%{name}'")
         self._names.add(name)
         return name
 
+    def claim_node_name(self, name: str) -> str:
+        """Takes `name` for a node built outside make_node (the parser keeps the text's names)."""
+        self._node_names.add(name)
+        return name
+
+    def has_name(self, name: str) -> bool:
+        """Whether a value holds (or a caller reserved) `name`."""
+        return name in self._names
+
+    def release_name(self, name: str) -> None:
+        """Gives `name` back, for a value about to take it (or one that is gone)."""
+        self._names.discard(name)
+
     # ---- construction --------------------------------------------------------------------
     def add_input(self, name: str, type: TensorType) -> Value:
-        v = Value(self._claim(name), type, "input")
+        v = Value(self.claim_name(name), type, "input")
         self.inputs.append(v)
         return v
 
     def add_state(self, name: str, type: TensorType) -> Value:
-        v = Value(self._claim(name), type, "state")
+        v = Value(self.claim_name(name), type, "state")
         self.state.append(v)
         return v
 
@@ -145,14 +102,14 @@ class Graph:
         else:
             data = np.asarray(data)
             ty = TensorType(DType.from_numpy(data.dtype), tuple(int(d) for d in data.shape))
-        nm = self.fresh_name(name or "c") if (unique or not name) else self._claim(name)
+        nm = self.fresh_name(name or "c") if (unique or not name) else self.claim_name(name)
         v = Value(nm, ty, "const", data=data)
         self.consts[nm] = v
         return v
 
     def const_scalar(self, value: Any, dtype: DType) -> Value:
         arr = torch.tensor(value, dtype=dtype.torch) if dtype == DType.bf16 else \
-            np.array(value, dtype=_np_dtype(dtype))
+            np.array(value, dtype=dtype.numpy)
         return self.add_const("c", arr, unique=True)
 
     def make_node(self, op: str, inputs: Sequence[Value | None], attrs: dict[str, Any] | None = None,
@@ -160,8 +117,6 @@ class Graph:
                   out_names: Sequence[str] | None = None,
                   out_types: Sequence[TensorType] | None = None) -> Node:
         """Creates a node (not yet placed in `nodes`) with output types from shape inference."""
-        from .ops import infer_types  # local: ops imports graph
-
         node = Node(op, inputs, [], attrs, name=self.fresh_node_name(name or op.lower()))
         if out_types is None:
             out_types = infer_types(node, n_outputs)
@@ -169,8 +124,6 @@ class Graph:
                                                    for i in range(len(out_types))]
         node.outputs = [Value(self.fresh_name(n), t, "node", producer=node)
                         for n, t in zip(names, out_types, strict=False)]
-        from .ops import infer_sym
-
         infer_sym(node)
         return node
 
@@ -288,25 +241,69 @@ class Graph:
         return g
 
     def __str__(self) -> str:
-        from .text import print_graph
-
         return print_graph(self)
-
-
-def _np_dtype(dt: DType) -> np.dtype:
-    from .types import _NUMPY
-
-    return _NUMPY[dt]
 
 
 def reinfer(g: Graph) -> None:
     """Recomputes every node's output types (and shape arithmetic) after inputs changed shape,
     e.g. when the decode graph pins the token axis to 1."""
-    from .ops import infer_sym, infer_types
-
     for n in g.nodes:
         types = infer_types(n, len(n.outputs))
         for o, t in zip(n.outputs, types, strict=False):
             o.type = t
             o.sym = None
         infer_sym(n)
+
+
+# ---- the text form's printer (text.py parses it) ------------------------------------------------
+
+def _fmt_attr(v: Any) -> str:
+    """An attribute value (or inline constant data) in the text form: JSON, plus NaN/Infinity."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_fmt_attr(x) for x in v) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return json.dumps(v) if v == v and abs(v) != float("inf") else \
+            ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if v is None:
+        return "null"
+    raise IRError(f"attribute value of type {type(v).__name__} has no text form")
+
+
+def _inline(v: Value) -> str | None:
+    arr = v.const_array()
+    if arr is None or arr.size > INLINE_MAX:
+        return None
+    flat = arr.reshape(-1).tolist()
+    if v.dtype.is_float:
+        flat = [float(x) for x in flat]
+    return _fmt_attr(flat)
+
+
+def print_graph(g: Graph) -> str:
+    """The text form of `g` (format: text.py's docstring); parse_graph reads it back."""
+    lines = [f"graph {json.dumps(g.name)} {{"]
+    if g.metadata:
+        lines.append(f"  meta {json.dumps(g.metadata, sort_keys=True, default=str)}")
+    for v in g.inputs:
+        lines.append(f"  input %{v.name}: {v.type}")
+    for v in g.consts.values():
+        data = _inline(v)
+        lines.append(f"  const %{v.name}: {v.type}" + (f" = {data}" if data is not None else ""))
+    for v in g.state:
+        lines.append(f"  state %{v.name}: {v.type}")
+    for n in g.nodes:
+        outs = ", ".join(f"%{o.name}: {o.type}" for o in n.outputs)
+        ins = ", ".join("_" if v is None else f"%{v.name}" for v in n.inputs)
+        attrs = ""
+        if n.attrs:
+            attrs = " {" + ", ".join(f"{k}={_fmt_attr(n.attrs[k])}" for k in sorted(n.attrs)) + "}"
+        lines.append(f"  {outs} = {n.op}({ins}){attrs} @{n.name}")
+    lines.append("  output " + ", ".join(f"%{v.name}" for v in g.outputs))
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -9,6 +9,9 @@
       %a: f32[1, seq, 32], %b: f32[1, seq, 32] = Split(%x) {axis=-1, split=[32, 32]} @split
       output %logits
     }
+
+The printer is graph.py's (a graph prints itself: `str(g)`); it is re-exported here, beside the
+parser that reads it back.
 """
 
 from __future__ import annotations
@@ -22,65 +25,12 @@ import torch
 
 from zlc.errors import IRError
 
-from .graph import Graph, Node, Value
+from .graph import Graph, print_graph
+from .ops import infer_sym
 from .types import Dim, DType, TensorType
+from .values import Node, Value
 
-INLINE_MAX = 16  # constants with at most this many elements print their data
-
-
-def _fmt_attr(v: Any) -> str:
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_fmt_attr(x) for x in v) + "]"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return json.dumps(v) if v == v and abs(v) != float("inf") else \
-            ("NaN" if v != v else ("Infinity" if v > 0 else "-Infinity"))
-    if isinstance(v, (int, np.integer)):
-        return str(int(v))
-    if isinstance(v, str):
-        return json.dumps(v)
-    if v is None:
-        return "null"
-    raise IRError(f"attribute value of type {type(v).__name__} has no text form")
-
-
-def _fmt_type(t: TensorType) -> str:
-    return str(t)
-
-
-def _inline(v: Value) -> str | None:
-    arr = v.const_array()
-    if arr is None or arr.size > INLINE_MAX:
-        return None
-    flat = arr.reshape(-1).tolist()
-    if v.dtype.is_float:
-        flat = [float(x) for x in flat]
-    return _fmt_attr(flat)
-
-
-def print_graph(g: Graph) -> str:
-    lines = [f"graph {json.dumps(g.name)} {{"]
-    if g.metadata:
-        lines.append(f"  meta {json.dumps(g.metadata, sort_keys=True, default=str)}")
-    for v in g.inputs:
-        lines.append(f"  input %{v.name}: {_fmt_type(v.type)}")
-    for v in g.consts.values():
-        data = _inline(v)
-        lines.append(f"  const %{v.name}: {_fmt_type(v.type)}" + (f" = {data}" if data is not None else ""))
-    for v in g.state:
-        lines.append(f"  state %{v.name}: {_fmt_type(v.type)}")
-    for n in g.nodes:
-        outs = ", ".join(f"%{o.name}: {_fmt_type(o.type)}" for o in n.outputs)
-        ins = ", ".join("_" if v is None else f"%{v.name}" for v in n.inputs)
-        attrs = ""
-        if n.attrs:
-            attrs = " {" + ", ".join(f"{k}={_fmt_attr(n.attrs[k])}" for k in sorted(n.attrs)) + "}"
-        lines.append(f"  {outs} = {n.op}({ins}){attrs} @{n.name}")
-    lines.append("  output " + ", ".join(f"%{v.name}" for v in g.outputs))
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
+__all__ = ["graphs_equal", "parse_graph", "print_graph"]
 
 # ---- parser ---------------------------------------------------------------------------------
 
@@ -184,9 +134,7 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
                     if ty.dtype == DType.bf16:
                         data: Any = torch.tensor(flat, dtype=torch.bfloat16).reshape(shape)
                     else:
-                        from .types import _NUMPY
-
-                        data = np.array(flat, dtype=_NUMPY[ty.dtype]).reshape(shape)
+                        data = np.array(flat, dtype=ty.dtype.numpy).reshape(shape)
                 elif name in weights:
                     data = weights[name]
                 else:
@@ -220,14 +168,11 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
         for s in _split_top(outs_s):
             nm, _, ty_s = s.strip().partition(":")
             out_decl.append((nm.strip().lstrip("%"), _parse_type(ty_s, lineno)))
-        node = Node(op, ins, [], attrs, node_name)
-        g._node_names.add(node_name)
+        node = Node(op, ins, [], attrs, g.claim_node_name(node_name))
         for nm, ty in out_decl:
-            v = Value(g._claim(nm), ty, "node", producer=node)
+            v = Value(g.claim_name(nm), ty, "node", producer=node)
             node.outputs.append(v)
             env[nm] = v
-        from .ops import infer_sym
-
         infer_sym(node)
         g.nodes.append(node)
     raise IRError("unexpected end of text: missing closing '}'")

@@ -34,6 +34,11 @@ class DType(enum.Enum):
         return _TORCH[self]
 
     @property
+    def numpy(self) -> np.dtype:
+        """The numpy dtype; KeyError for bf16, which numpy lacks (such data is a torch tensor)."""
+        return _NUMPY[self]
+
+    @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.torch).element_size()
 
