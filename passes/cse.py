@@ -17,7 +17,7 @@ from typing import Any
 from zlc.ir import Graph, Node, Value
 
 from .base import PassResult, drop_consts, has_side_effects, rename_value
-from .rewrite import COMMUTATIVE
+from .pattern import COMMUTATIVE
 
 SMALL_CONST = 64
 

@@ -20,8 +20,8 @@ from zlc.ir import DType, Graph, Node, TensorType, Value
 from zlc.ir.graph import reinfer
 
 from . import probe
+from .dce import dce
 from .match import prod
-from .raising import remove_dead
 
 
 @dataclass
@@ -117,7 +117,7 @@ def synthesize_kv_cache(g: Graph, max_seq: int) -> CachedModel:
                 pos_node = pn.output
             g.replace_uses(v, pos_node)
             dropped_inputs.add(id(v))
-    remove_dead(g)
+    dce(g)
     users = g.users()
     for v in g.inputs:
         if roles.get(v.name) in (probe.MASK, probe.PAST_KEY, probe.PAST_VALUE, probe.PAST_LEN) and users.get(v):

@@ -1,4 +1,4 @@
-"""Small helpers the raising rules use to walk the graph: producers, unique users, scalars."""
+"""Small helpers the raising rules' checks use: producers, scalars, slice bounds, activations."""
 
 from __future__ import annotations
 
@@ -8,29 +8,9 @@ import numpy as np
 import torch
 
 from zlc.ir import Graph, Node, Value
-from zlc.reference.kernels import KERNELS
+from zlc.reference.evaluate import evaluate
 
 TRANSPARENT = ("Cast", "Identity")
-
-
-class Users:
-    """A snapshot of value -> using nodes, refreshed by the rule driver after each rewrite."""
-
-    def __init__(self, g: Graph):
-        self.map = g.users()
-        self.outputs = {id(v) for v in g.outputs}
-
-    def of(self, v: Value) -> list[Node]:
-        return self.map.get(v, [])
-
-    def only(self, v: Value, op: str | tuple[str, ...] | None = None) -> Node | None:
-        """The single user of v (with the given op), if v has exactly one user and is no output."""
-        us = self.of(v)
-        if len(us) != 1 or id(v) in self.outputs:
-            return None
-        if op is not None and us[0].op not in ((op,) if isinstance(op, str) else op):
-            return None
-        return us[0]
 
 
 def prod(v: Value | None, op: str | tuple[str, ...] | None = None) -> Node | None:
@@ -71,6 +51,26 @@ def other(node: Node, v: Value) -> Value | None:
     return b if a is v else a if b is v else None
 
 
+def slice_bounds(n: Node) -> tuple[int, int, int] | None:
+    """(start, end, axis) of a unit-step single-axis Slice with constant bounds."""
+    if n.op != "Slice":
+        return None
+    vals = []
+    for i in (1, 2, 3):
+        v = n.input(i)
+        if v is None:
+            return None
+        a = v.const_array() if v.data is not None else (
+            None if v.sym is None or not all(isinstance(x, int) for x in v.sym) else v.sym)
+        if a is None or len(list(a if not hasattr(a, "reshape") else a.reshape(-1))) != 1:  # type: ignore[arg-type]
+            return None
+        vals.append(int(list(a if not hasattr(a, "reshape") else a.reshape(-1))[0]))  # type: ignore[arg-type]
+    step = n.input(4)
+    if step is not None and scalar(step) not in (1.0, None):
+        return None
+    return vals[0], vals[1], vals[2]
+
+
 def last_axis(node: Node, rank: int | None) -> bool:
     axes = node.attrs.get("axes")
     if rank is None or axes is None or len(axes) != 1:
@@ -88,6 +88,13 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 ELEMENTWISE = {"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Tanh", "Sigmoid", "Erf", "Relu",
                "Gelu", "Silu", "Softplus", "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Cast",
                "Identity"}
+
+
+def _scalar_tensor(v: Value) -> torch.Tensor:
+    """A one-element constant of the activation chain as a 0-D tensor (broadcasts over the probe)."""
+    arr = v.const_array()
+    assert arr is not None
+    return torch.tensor(arr.reshape(()).item(), dtype=v.dtype.torch)
 
 
 def elementwise_activation(g: Graph, start: Value, end: Value) -> str:
@@ -115,20 +122,7 @@ def elementwise_activation(g: Graph, start: Value, end: Value) -> str:
 
     visit(end)
     x = torch.linspace(-8, 8, 401, dtype=start.dtype.torch if start.dtype.is_float else torch.float32)
-    env: dict[int, torch.Tensor] = {id(start): x}
-    for n in order:
-        args: list[torch.Tensor | None] = []
-        for inp in n.inputs:
-            if inp is None:
-                args.append(None)
-            elif id(inp) in env:
-                args.append(env[id(inp)])
-            else:
-                arr = inp.const_array()
-                assert arr is not None
-                args.append(torch.tensor(arr.reshape(()).item(), dtype=inp.dtype.torch))
-        for o, t in zip(n.outputs, KERNELS[n.op](n, args), strict=True):
-            env[id(o)] = t
+    env = evaluate(order, {id(start): x}, fetch=_scalar_tensor)
     y = env.get(id(end))
     if y is None:
         raise ValueError("activation chain did not reach its end")

@@ -1,5 +1,5 @@
 """Semantic probing: evaluate a position-only subgraph (causal masks, rotary tables, activation
-chains) with the reference executor to learn what it computes.
+chains) with the reference kernels (zlc.reference.evaluate) to learn what it computes.
 
 Exporters spell the same thing many ways (a causal mask as Trilu, as Range/LessOrEqual, as
 transformers' cumsum-and-GatherND packing check; GELU as Erf, Tanh or a Gelu op; rotary tables
@@ -18,7 +18,8 @@ import torch
 
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
-from zlc.reference.kernels import KERNELS, const_tensor
+from zlc.reference.evaluate import evaluate as run_nodes
+from zlc.reference.kernels import const_tensor
 
 # Roles of graph inputs, assigned by name and type (see classify_inputs).
 IDS, MASK, POSITIONS, PAST_KEY, PAST_VALUE, PAST_LEN = (
@@ -157,6 +158,12 @@ def probe_feeds(g: Graph, names: Iterable[str], probe: Probe) -> dict[str, torch
     return feeds
 
 
+def _probe_fetch(v: Value) -> torch.Tensor:
+    if v.data is None:
+        raise ZlcError(f"probe cannot evaluate '{v.name}'")
+    return const_tensor(v)
+
+
 def evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Tensor]:
     """Runs just the targets' closure on probe inputs."""
     by_value, by_shape = value_inputs(g, targets)
@@ -165,21 +172,7 @@ def evaluate(g: Graph, targets: Sequence[Value], probe: Probe) -> list[torch.Ten
     for v in g.inputs:
         if v.name in feeds:
             env[id(v)] = feeds[v.name]
-    for n in closure(g, targets):
-        args: list[torch.Tensor | None] = []
-        for inp in n.inputs:
-            if inp is None:
-                args.append(None)
-            elif id(inp) in env:
-                args.append(env[id(inp)])
-            elif inp.data is not None:
-                env[id(inp)] = const_tensor(inp)
-                args.append(env[id(inp)])
-            else:
-                raise ZlcError(f"probe cannot evaluate '{inp.name}'")
-        outs = KERNELS[n.op](n, args)
-        for o, t in zip(n.outputs, outs, strict=False):
-            env[id(o)] = t
+    run_nodes(closure(g, targets), env, fetch=_probe_fetch)
     return [env[id(t)] if id(t) in env else const_tensor(t) for t in targets]
 
 

@@ -1,6 +1,12 @@
-"""The raising rule sets, in the order the driver applies them."""
+"""The raising rule sets, in the order the driver applies them, and `raise_graph`.
+
+Each rule set is a `RuleSet` of the rewrite engine and can be run (and its result dumped) on its
+own; `raise_graph` applies them all in order, up to `RAISE_SWEEPS` times.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from zlc.ir import Graph
 
@@ -26,31 +32,38 @@ from .raise_layers import (
     SLICE_LINEAR,
     SPLIT_LINEAR,
 )
-from .raising import RaiseStats, apply_rules
+from .raising import RaiseStats, raising_rules
+from .rewrite import RuleSet
 
 # Order matters: Linear before MLPs (they match Linear nodes); LM head last among layers so that
 # an MLP's down projection is never mistaken for the head.
-RULE_SETS = [
-    ("norms", [RMSNORM]),
-    ("embedding", [EMBEDDING]),
-    ("linear", [LINEAR, LINEAR_RESHAPE]),
-    ("rope", [ROPE, ROPE_TABLES]),
-    ("attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
-    ("mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
-    ("fused_projections", [SPLIT_LINEAR, SLICE_LINEAR]),
-    ("heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
-    ("lm_head", [LM_HEAD]),
-]
+RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for name, rules in (
+    ("raise-norms", [RMSNORM]),
+    ("raise-embedding", [EMBEDDING]),
+    ("raise-linear", [LINEAR, LINEAR_RESHAPE]),
+    ("raise-rope", [ROPE, ROPE_TABLES]),
+    ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
+    ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
+    ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
+    ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
+    ("raise-lm-head", [LM_HEAD]),
+)]
+
+# A second sweep picks up what one rule set's rewrite exposes to an earlier one (e.g. GPT-2's
+# merged heads are flattened for a Linear that `linear_reshape` can only fold afterwards).
+RAISE_SWEEPS = 2
 
 
-def raise_graph(g: Graph) -> RaiseStats:
+def raise_graph(g: Graph, observer: Callable[[str, Graph], None] | None = None) -> RaiseStats:
+    """Applies the RAISING rule sets in order, again while a sweep raised something (at most
+    RAISE_SWEEPS sweeps). `observer(name, graph)` sees the graph after each rule set."""
     stats = RaiseStats()
-    # A second sweep picks up what one rule set's rewrite exposes to an earlier one (e.g. GPT-2's
-    # merged heads are flattened for a Linear that `linear_reshape` can only fold afterwards).
-    for _ in range(2):
+    for _ in range(RAISE_SWEEPS):
         before = sum(stats.applied.values())
-        for _, rules in RULE_SETS:
-            apply_rules(g, rules, stats)
+        for name, rules in RAISING:
+            stats.add(rules.apply(g))
+            if observer is not None:
+                observer(name, g)
         if sum(stats.applied.values()) == before:
             break
     return stats

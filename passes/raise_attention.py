@@ -14,8 +14,12 @@ import torch
 from zlc.ir import Graph, Node, Value
 
 from . import probe
-from .match import Users, prod, scalar, strip
-from .raising import Match, RaiseRule, new_node
+from .match import prod, scalar, slice_bounds, strip
+from .pattern import OpPattern
+from .raising import new_node
+from .rewrite import Match, P, Rule
+
+Pairs = list[tuple[Value, Value]]
 
 DEFAULT_MAX_SEQ = 2048
 _memo: weakref.WeakKeyDictionary[Graph, dict[Any, Any]] = weakref.WeakKeyDictionary()
@@ -115,107 +119,82 @@ def _table_consts(g: Graph, cos: Value, sin: Value, tabs: tuple[torch.Tensor, to
 
 # ---- RoPE (rotate-half form) ------------------------------------------------------------------------
 
-def _slice_bounds(n: Node) -> tuple[int, int, int] | None:
-    """(start, end, axis) of a unit-step single-axis Slice with constant bounds."""
-    if n.op != "Slice":
-        return None
-    vals = []
-    for i in (1, 2, 3):
-        v = n.input(i)
-        if v is None:
-            return None
-        a = v.const_array() if v.data is not None else (
-            None if v.sym is None or not all(isinstance(x, int) for x in v.sym) else v.sym)
-        if a is None or len(list(a if not hasattr(a, "reshape") else a.reshape(-1))) != 1:  # type: ignore[arg-type]
-            return None
-        vals.append(int(list(a if not hasattr(a, "reshape") else a.reshape(-1))[0]))  # type: ignore[arg-type]
-    step = n.input(4)
-    if step is not None and scalar(step) not in (1.0, None):
-        return None
-    return vals[0], vals[1], vals[2]
-
-
-def _rotate_half_of(v: Value) -> Value | None:
-    """x when v = Concat(-x[..., h:], x[..., :h], axis=-1)."""
-    cat = prod(v, "Concat")
-    if cat is None or len(cat.inputs) != 2:
-        return None
-    neg = prod(cat.inputs[0], "Neg")
-    if neg is None:
-        return None
-    s2, s1 = prod(neg.inputs[0], "Slice"), prod(cat.inputs[1], "Slice")
-    if s1 is None or s2 is None or s1.inputs[0] is not s2.inputs[0]:
-        return None
-    x = s1.inputs[0]
-    assert x is not None
+def _is_rotate_half(x: Value, lo: Node, hi: Node) -> bool:
+    """Concat(-x[..., d/2:], x[..., :d/2]) on the last axis: `lo` is the first half, `hi` the second."""
     if x.shape is None or not isinstance(x.shape[-1], int):
-        return None
-    d = x.shape[-1]
-    b1, b2 = _slice_bounds(s1), _slice_bounds(s2)
-    if b1 is None or b2 is None or b1[2] % len(x.shape) != len(x.shape) - 1 or b2[2] % len(x.shape) != len(x.shape) - 1:
-        return None
-    if b1[0] != 0 or b1[1] != d // 2 or b2[0] != d // 2 or b2[1] < d:
-        return None
-    return x
+        return False
+    d, last = x.shape[-1], len(x.shape) - 1
+    b1, b2 = slice_bounds(lo), slice_bounds(hi)
+    if b1 is None or b2 is None or b1[2] % len(x.shape) != last or b2[2] % len(x.shape) != last:
+        return False
+    return b1[0] == 0 and b1[1] == d // 2 and b2[0] == d // 2 and b2[1] >= d
 
 
-def _match_rope(g: Graph, n: Node, u: Users) -> Match | str:
-    a, b = (prod(v, "Mul") for v in n.inputs)
-    if a is None or b is None:
-        return "not a sum of two products"
-    for m_cos, m_sin in ((a, b), (b, a)):
-        for xc, cos in ((m_cos.inputs[0], m_cos.inputs[1]), (m_cos.inputs[1], m_cos.inputs[0])):
-            for rs, sin in ((m_sin.inputs[0], m_sin.inputs[1]), (m_sin.inputs[1], m_sin.inputs[0])):
-                x = _rotate_half_of(rs)  # type: ignore[arg-type]
-                if x is None or x is not xc:
-                    continue
-                if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[-1], int):
-                    return "rotated tensor is not [B, H, T, D]"
-                tabs = rotary_tables(g, cos, sin, x.shape[-1] // 2)  # type: ignore[arg-type]
-                if isinstance(tabs, str):
-                    return tabs
-                pos = positions_value(g, cos)  # type: ignore[arg-type]
-                if isinstance(pos, str):
-                    return pos
-                return {"x": x, "cos": cos, "sin": sin, "tabs": tabs, "pos": pos, "out": n.output,
-                        "_nodes": [n, a, b]}
-    return "no x*cos + rotate_half(x)*sin form"
+_NO_ROPE = "no x*cos + rotate_half(x)*sin form"
 
 
-def _rw_rope(g: Graph, m: Match) -> list[tuple[Value, Value]]:
-    c, s = _table_consts(g, m["cos"], m["sin"], m["tabs"])
-    return [(m["out"], new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=0))]
+def _check_rope(m: Match) -> str | None:
+    x, g = m["x"], m.graph
+    if not _is_rotate_half(x, m.node("lo"), m.node("hi")):
+        return _NO_ROPE
+    if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[-1], int):
+        return "rotated tensor is not [B, H, T, D]"
+    tabs = rotary_tables(g, m["cos"], m["sin"], x.shape[-1] // 2)
+    if isinstance(tabs, str):
+        return tabs
+    pos = positions_value(g, m["cos"])
+    if isinstance(pos, str):
+        return pos
+    m.note("tabs", tabs)
+    m.bind("pos", pos)
+    return None
 
 
-ROPE = RaiseRule("rope", "Add", _match_rope, _rw_rope,
-                 "x*cos + rotate_half(x)*sin with position-only cos/sin -> RoPE(x, tables, positions)")
+def _rw_rope(m: Match, g: Graph) -> Pairs:
+    c, s = _table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
+    return [(m.root.output, new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=0))]
 
 
-def _match_rope_tables(g: Graph, n: Node, u: Users) -> Match | str:
-    """RoPE with per-token cos/sin (opset-23 RotaryEmbedding, genai) -> position-indexed tables."""
-    if n.input(3) is not None:
-        return "already indexed by positions"
-    x, cos, sin = n.inputs[0], n.inputs[1], n.inputs[2]
-    assert x is not None and cos is not None and sin is not None
+_TWO_PRODUCTS = "not a sum of two products"
+# x when v = Concat(-x[..., h:], x[..., :h]) (bounds: _is_rotate_half); read, not replaced
+_ROTATE_HALF = P.op("Concat", P.op("Neg", P.op("Slice", P.var("x"), rest=True, name="hi")),
+                    P.op("Slice", P.var("x"), rest=True, name="lo"), keep=True)
+
+ROPE = Rule(
+    "rope",
+    P.op("Add", P.op("Mul", P.var("x"), P.var("cos"), why=_TWO_PRODUCTS),
+         P.op("Mul", _ROTATE_HALF, P.var("sin"), why=_TWO_PRODUCTS)),
+    _check_rope, _rw_rope, why=_NO_ROPE,
+    doc="x*cos + rotate_half(x)*sin with position-only cos/sin -> RoPE(x, tables, positions)")
+
+
+def _check_rope_tables(m: Match) -> str | None:
+    cos, g = m["cos"], m.graph
     if cos.shape is None or not isinstance(cos.shape[-1], int):
         return "cos has no static last dim"
-    tabs = rotary_tables(g, cos, sin, int(cos.shape[-1]))
+    tabs = rotary_tables(g, cos, m["sin"], int(cos.shape[-1]))
     if isinstance(tabs, str):
         return tabs
     pos = positions_value(g, cos)
     if isinstance(pos, str):
         return pos
-    return {"x": x, "cos": cos, "sin": sin, "tabs": tabs, "pos": pos, "out": n.output,
-            "interleaved": n.attrs.get("interleaved", 0), "_nodes": [n]}
+    m.note("tabs", tabs)
+    m.bind("pos", pos)
+    return None
 
 
-def _rw_rope_tables(g: Graph, m: Match) -> list[tuple[Value, Value]]:
-    c, s = _table_consts(g, m["cos"], m["sin"], m["tabs"])
-    return [(m["out"], new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=m["interleaved"]))]
+def _rw_rope_tables(m: Match, g: Graph) -> Pairs:
+    c, s = _table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
+    interleaved = m.root.attrs.get("interleaved", 0)
+    return [(m.root.output, new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=interleaved))]
 
 
-ROPE_TABLES = RaiseRule("rope_tables", "RoPE", _match_rope_tables, _rw_rope_tables,
-                        "RoPE with per-token cos/sin -> RoPE with [P, R/2] tables and positions")
+# RoPE with per-token cos/sin (opset-23 RotaryEmbedding, genai) -> position-indexed tables.
+ROPE_TABLES = Rule(
+    "rope_tables",
+    P.op("RoPE", P.var("x"), P.var("cos"), P.var("sin"), why="already indexed by positions"),
+    _check_rope_tables, _rw_rope_tables,
+    doc="RoPE with per-token cos/sin -> RoPE with [P, R/2] tables and positions")
 
 
 # ---- Attention ----------------------------------------------------------------------------------
@@ -255,18 +234,18 @@ def _unrepeat_kv(v: Value) -> Value:
     return k0
 
 
-def _match_attention(g: Graph, n: Node, u: Users) -> Match | str:
-    rank = n.output.type.rank
-    if rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
+def _softmax_last_axis(m: Match) -> str | None:
+    n = m.root
+    if n.output.type.rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
         return "softmax is not over the last axis of a rank-4 tensor"
-    p = n.output
-    cast = u.only(p, "Cast")
-    if cast is not None:
-        p = cast.output
-    pv = u.only(p, "MatMul")
-    if pv is None or pv.inputs[0] is not p:
-        return "softmax output is not multiplied by V"
-    s = strip(n.inputs[0])  # type: ignore[arg-type]
+    return None
+
+
+def _check_attention(m: Match) -> str | None:
+    """The scores: [scale *] q k^T [* scale] [+ mask | masked by Where], read upward through casts
+    and any number of scalar factors (which the pattern language cannot repeat)."""
+    g = m.graph
+    s = strip(m["s"])
     mask, additive = None, True
     sp = s.producer
     if sp is not None and sp.op == "Add":
@@ -288,7 +267,7 @@ def _match_attention(g: Graph, n: Node, u: Users) -> Match | str:
             s, mask, additive = sp.inputs[1], sp.inputs[0], False
         else:
             return "inverted Where mask (fill on the true branch) is not supported"
-    core, scale = _peel_scale(s)  # type: ignore[arg-type]
+    core, scale = _peel_scale(s)
     qk = prod(core, "MatMul")
     if qk is None:
         return "scores are not a MatMul"
@@ -306,8 +285,6 @@ def _match_attention(g: Graph, n: Node, u: Users) -> Match | str:
     else:
         return "K is not transposed for the QK^T product"
     assert k is not None
-    v = pv.inputs[1]
-    assert v is not None
     if q.shape is None or len(q.shape) != 4:
         return "Q is not [B, H, T, D]"
     if mask is not None:
@@ -317,59 +294,71 @@ def _match_attention(g: Graph, n: Node, u: Users) -> Match | str:
             memo[key] = probe.classify_mask(g, mask, additive)
         if memo[key] is not None:
             return f"mask: {memo[key]}"
-    k0 = k if new_k_transpose else _unrepeat_kv(k)
-    v0 = _unrepeat_kv(v)
-    return {"q": q, "k": k0, "v": v0, "k_from_bshd": bool(new_k_transpose), "scale": scale,
-            "causal": mask is not None, "out": pv.output, "_nodes": [n, pv, qk]}
+    m.bind("q", q)
+    m.bind("k", k if new_k_transpose else _unrepeat_kv(k))
+    m.bind("v0", _unrepeat_kv(m["v"]))
+    m.note("k_from_bshd", bool(new_k_transpose))
+    m.note("scale", scale)
+    m.note("causal", mask is not None)
+    m.cover(qk)
+    return None
 
 
-def _rw_attention(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+def _rw_attention(m: Match, g: Graph) -> Pairs:
     k = m["k"]
-    if m["k_from_bshd"]:
+    if m.fact("k_from_bshd"):
         k = _unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
-    out = new_node(g, "Attention", [m["q"], k, m["v"]], "attention", scale=float(m["scale"]),
-                   causal=int(m["causal"]))
-    return [(m["out"], out)]
+    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", scale=float(m.fact("scale")),
+                   causal=int(m.fact("causal")))
+    return [(m.node("pv").output, out)]
 
 
-ATTENTION = RaiseRule("attention", "Softmax", _match_attention, _rw_attention,
-                      "softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+_NOT_PV = "softmax output is not multiplied by V"
+
+
+def _times_v(p: str) -> OpPattern:
+    return P.op("MatMul", P.var(p, why=_NOT_PV), P.var("v"), name="pv", why=_NOT_PV)
+
+
+ATTENTION = Rule(
+    "attention",
+    P.op("Softmax", P.var("s"), out="p", where=_softmax_last_axis,
+         then=P.or_(P.op("Cast", P.var("p"), out="p_cast", keep=True, then=_times_v("p_cast")), _times_v("p"),
+                    why=_NOT_PV)),
+    _check_attention, _rw_attention,
+    doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
 
 
 # ---- head split / merge ------------------------------------------------------------------------
 
-def _match_split_heads(g: Graph, n: Node, u: Users) -> Match | str:
-    """Transpose(Reshape(x[B,T,H*D] -> [B,T,H,D]), [0,2,1,3]) -> SplitHeads(x, heads=H)."""
-    if n.attrs.get("perm") != [0, 2, 1, 3]:
-        return "not a [0, 2, 1, 3] transpose"
-    r = prod(n.inputs[0], "Reshape")
-    if r is None:
-        return "input is not a reshape"
-    x = r.inputs[0]
-    assert x is not None
-    xs, rs = x.shape, r.output.shape
+def _bhtd_swap(p: object) -> bool:
+    return p == [0, 2, 1, 3]
+
+
+def _check_split_heads(m: Match) -> str | None:
+    x, rs = m["x"], m.node("r").output.shape
+    xs = x.shape
     if xs is None or rs is None or len(xs) != 3 or len(rs) != 4:
         return "not [B, T, H*D] -> [B, T, H, D]"
     if tuple(rs[:2]) != tuple(xs[:2]) or not all(isinstance(d, int) for d in (rs[2], rs[3], xs[2])) \
             or rs[2] * rs[3] != xs[2] or any(isinstance(d, str) and "?" in d for d in xs[:2]):  # type: ignore[operator]
         return "reshape does not split the feature axis into heads"
-    return {"x": x, "heads": int(rs[2]), "out": n.output, "_nodes": [n, r]}
+    m.note("heads", int(rs[2]))
+    return None
 
 
-SPLIT_HEADS = RaiseRule(
-    "split_heads", "Transpose", _match_split_heads,
-    lambda g, m: [(m["out"], new_node(g, "SplitHeads", [m["x"]], "split_heads", heads=m["heads"]))],
-    "[B,T,H*D] -> reshape [B,T,H,D] -> transpose -> SplitHeads")
+# Transpose(Reshape(x[B,T,H*D] -> [B,T,H,D]), [0,2,1,3]) -> SplitHeads(x, heads=H)
+SPLIT_HEADS = Rule(
+    "split_heads",
+    P.op("Transpose", P.op("Reshape", P.var("x"), P.any(), name="r", why="input is not a reshape"),
+         attrs={"perm": _bhtd_swap}, why="not a [0, 2, 1, 3] transpose"),
+    _check_split_heads,
+    lambda m, g: [(m.root.output, new_node(g, "SplitHeads", [m["x"]], "split_heads", heads=m.fact("heads")))],
+    doc="[B,T,H*D] -> reshape [B,T,H,D] -> transpose -> SplitHeads")
 
 
-def _match_merge_heads(g: Graph, n: Node, u: Users) -> Match | str:
-    """Reshape(Transpose(a[B,H,T,D], [0,2,1,3]) -> [B,T,H*D]) -> MergeHeads(a)."""
-    t = prod(n.inputs[0], "Transpose")
-    if t is None or t.attrs.get("perm") != [0, 2, 1, 3]:
-        return "input is not a [0, 2, 1, 3] transpose"
-    a = t.inputs[0]
-    assert a is not None
-    s_a, s_o = a.shape, n.output.shape
+def _check_merge_heads(m: Match) -> str | None:
+    s_a, s_o = m["a"].shape, m.root.output.shape
     if s_a is None or s_o is None or len(s_a) != 4 or len(s_o) not in (2, 3):
         return "not [B, H, T, D] -> [B, T, H*D]"
     if not (isinstance(s_a[1], int) and isinstance(s_a[3], int) and s_o[-1] == s_a[1] * s_a[3]):
@@ -378,27 +367,30 @@ def _match_merge_heads(g: Graph, n: Node, u: Users) -> Match | str:
         return "reshape does not keep [B, T]"
     if len(s_o) == 2 and (s_a[0] != 1 or s_o[0] != s_a[2]):  # GPT-2 flattens tokens for its Linear
         return "reshape to 2-D is not [T, H*D] of a batch of 1"
-    return {"a": a, "out": n.output, "shape": n.inputs[1] if len(s_o) == 2 else None, "_nodes": [n, t]}
+    return None
 
 
-def _rw_merge_heads(g: Graph, m: Match) -> list[tuple[Value, Value]]:
+def _rw_merge_heads(m: Match, g: Graph) -> Pairs:
     out = new_node(g, "MergeHeads", [m["a"]], "merge_heads")
-    if m["shape"] is not None:  # keep the flattening; the next Linear sweep folds it away
+    if len(m.root.output.shape or ()) == 2:  # keep the flattening; the next Linear sweep folds it away
         out = new_node(g, "Reshape", [out, m["shape"]], "flatten_tokens")
-    return [(m["out"], out)]
+    return [(m.root.output, out)]
 
 
-MERGE_HEADS = RaiseRule("merge_heads", "Reshape", _match_merge_heads, _rw_merge_heads,
-                        "[B,H,T,D] -> transpose -> reshape [B,T,H*D] -> MergeHeads")
+# Reshape(Transpose(a[B,H,T,D], [0,2,1,3]) -> [B,T,H*D]) -> MergeHeads(a)
+MERGE_HEADS = Rule(
+    "merge_heads",
+    P.op("Reshape", P.op("Transpose", P.var("a"), attrs={"perm": _bhtd_swap},
+                         why="input is not a [0, 2, 1, 3] transpose"), P.var("shape")),
+    _check_merge_heads, _rw_merge_heads, doc="[B,H,T,D] -> transpose -> reshape [B,T,H*D] -> MergeHeads")
 
 
 # ---- position-only selects ------------------------------------------------------------------------
 
-def _match_static_select(g: Graph, n: Node, u: Users) -> Match | str:
+def _check_static_select(m: Match) -> str | None:
     """Where(cond, a, b) whose cond depends on positions only and is constant on every probe:
     e.g. "zero fully-masked rows" after attention, which a causal mask never triggers."""
-    cond = n.inputs[0]
-    assert cond is not None
+    n, g, cond = m.root, m.graph, m["cond"]
     if cond.data is not None:
         return "condition is a constant (folding's job)"
     why = probe.is_position_only(g, [cond])
@@ -420,53 +412,54 @@ def _match_static_select(g: Graph, n: Node, u: Users) -> Match | str:
             return "condition is mixed"
     if len(seen) != 1:
         return "condition differs across probes"
-    pick = n.inputs[1] if seen.pop() else n.inputs[2]
-    assert pick is not None
+    pick = m["a"] if seen.pop() else m["b"]
     if pick.type != n.output.type:
         return "the selected branch alone has another shape (broadcast)"
-    return {"out": n.output, "pick": pick, "_nodes": [n]}
+    m.bind("pick", pick)
+    return None
 
 
-STATIC_SELECT = RaiseRule("static_select", "Where", _match_static_select,
-                          lambda g, m: [(m["out"], m["pick"])],
-                          "Where with a position-only condition that is constant on all probes -> that branch")
+STATIC_SELECT = Rule(
+    "static_select", P.op("Where", P.var("cond"), P.var("a"), P.var("b")), _check_static_select,
+    lambda m, g: [(m.root.output, m["pick"])],
+    doc="Where with a position-only condition that is constant on all probes -> that branch")
 
 
-def _match_heads_roundtrip(g: Graph, n: Node, u: Users) -> Match | str:
-    """SplitHeads(MergeHeads(x)) with the same head count -> x (frontends that reshape around a
-    3-D op, e.g. contrib RotaryEmbedding, leave these pairs behind)."""
-    m = prod(n.inputs[0], "MergeHeads")
-    if m is None:
-        return "input is not MergeHeads"
-    x = m.inputs[0]
-    assert x is not None
-    if x.shape is None or x.shape[1] != n.attrs["heads"]:
+def _check_heads_roundtrip(m: Match) -> str | None:
+    x = m["x"]
+    if x.shape is None or x.shape[1] != m.root.attrs["heads"]:
         return "head counts differ"
-    return {"out": n.output, "x": x, "_nodes": [n]}
+    return None
 
 
-HEADS_ROUNDTRIP = RaiseRule("heads_roundtrip", "SplitHeads", _match_heads_roundtrip,
-                            lambda g, m: [(m["out"], m["x"])], "SplitHeads(MergeHeads(x)) -> x")
+# SplitHeads(MergeHeads(x)) with the same head count -> x (frontends that reshape around a 3-D op,
+# e.g. contrib RotaryEmbedding, leave these pairs behind).
+HEADS_ROUNDTRIP = Rule(
+    "heads_roundtrip",
+    P.op("SplitHeads", P.op("MergeHeads", P.var("x"), keep=True, why="input is not MergeHeads")),
+    _check_heads_roundtrip, lambda m, g: [(m.root.output, m["x"])], doc="SplitHeads(MergeHeads(x)) -> x")
 
 
-def _match_attention_gqa(g: Graph, n: Node, u: Users) -> Match | str:
-    """Attention fed explicitly repeated K/V (genai's MHA graphs repeat KV heads before the op)
-    -> Attention on the KV heads themselves (GQA)."""
-    if n.input(3) is not None:
+def _check_attention_gqa(m: Match) -> str | None:
+    if m.root.input(3) is not None:
         return "attention already reads a cache"
-    k, v = n.inputs[1], n.inputs[2]
-    assert k is not None and v is not None
-    k0, v0 = _unrepeat_kv(k), _unrepeat_kv(v)
-    if k0 is k or v0 is v:
+    k0, v0 = _unrepeat_kv(m["k"]), _unrepeat_kv(m["v"])
+    if k0 is m["k"] or v0 is m["v"]:
         return "K/V are not repeated heads"
-    return {"node": n, "k": k0, "v": v0, "out": n.output, "_nodes": [n]}
+    m.bind("k0", k0)
+    m.bind("v0", v0)
+    return None
 
 
-def _rw_attention_gqa(g: Graph, m: Match) -> list[tuple[Value, Value]]:
-    n: Node = m["node"]
-    out = g.add_node("Attention", [n.inputs[0], m["k"], m["v"]], dict(n.attrs), name="attention").output
-    return [(m["out"], out)]
+def _rw_attention_gqa(m: Match, g: Graph) -> Pairs:
+    n = m.root
+    out = g.add_node("Attention", [m["q"], m["k0"], m["v0"]], dict(n.attrs), name="attention").output
+    return [(n.output, out)]
 
 
-ATTENTION_GQA = RaiseRule("attention_gqa", "Attention", _match_attention_gqa, _rw_attention_gqa,
-                          "Attention(q, repeat(k), repeat(v)) -> Attention(q, k, v) with fewer KV heads")
+# Attention fed explicitly repeated K/V (genai's MHA graphs repeat KV heads before the op) ->
+# Attention on the KV heads themselves (GQA).
+ATTENTION_GQA = Rule(
+    "attention_gqa", P.op("Attention", P.var("q"), P.var("k"), P.var("v"), rest=True),
+    _check_attention_gqa, _rw_attention_gqa,
+    doc="Attention(q, repeat(k), repeat(v)) -> Attention(q, k, v) with fewer KV heads")

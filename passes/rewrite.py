@@ -1,5 +1,4 @@
-"""Rules as data: a small declarative pattern language over the IR, and one driver that applies
-rule sets to a fixpoint.
+"""Rules as data: one rewrite engine for every rule-based pass (canonicalization, raising).
 
     mul_one = Rule(
         "mul_one",
@@ -9,23 +8,31 @@ rule sets to a fixpoint.
     )
     stats = RuleSet("canonicalize", [mul_one, ...]).apply(graph)
 
-A pattern is a tree of `P.op` / `P.var` / `P.const` / `P.any` / `P.or_`; the root is an op pattern
-matched against a node, every other pattern against a value. `check(match)` returns None to accept
-or a *reason* to refuse, so a rule that does not fire can say why (`RuleSet.last_reason`,
-`RuleSet.explain`). `rewrite(match, graph)` builds replacement nodes with `graph.make_node` (or
-`graph.op`) and returns the values that replace the root's outputs; the driver places the new nodes
-before the root, redirects uses, gives the replacement the root's node and value names, and removes
-what became dead.
+A rule is a pattern (pattern.py: `P.op` / `P.var` / `P.const` / `P.scalar` / `P.any` / `P.or_`), a
+`check(match)` that returns None to accept or a *reason* to refuse (what patterns cannot say: shape
+and axis conditions, constant values, semantic probing), and a `rewrite(match, graph)`. A rule that
+does not fire says why: its check's reason or the `why` of the pattern part that rejected the
+candidate. `RuleSet.apply` counts refusals per rule and reason (`RewriteStats.refused`, what
+`zlc inspect --explain` prints for raising); `RuleSet.last_reason` and `RuleSet.explain` answer for
+one node.
+
+One driver loop, two ways for edits to land (`edits=`):
+- `InPlaceEdits` (canonicalization): the rewrite returns the values that replace the root's outputs;
+  new nodes go where the root was and inherit its names.
+- `SubgraphEdits` (raising): a match covers a subgraph anchored anywhere in it, and the rewrite
+  returns (old, new) value pairs, several if it replaces several values; new nodes keep their own
+  names and the graph is re-sorted and cleaned (dce) after each sweep.
+Rules are tried node by node in one sweep (the first that fires at a node wins), or with
+`per_rule=True` each rule in turn to its own fixpoint, which makes the order of a rule set an order
+of application. Either way at most `max_iters` sweeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
-
-import numpy as np
+from typing import Protocol
 
 from zlc.errors import PassError
 from zlc.ir import Graph, Node, Value
@@ -36,298 +43,18 @@ from .base import (
     drop_consts,
     has_side_effects,
     precision,
+    release_value_name,
     rename_node,
     rename_value,
 )
+from .dce import dce
+from .pattern import COMMUTATIVE, Match, MatchState, OpPattern, P, Uses
 
-COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal"})
-CONST_VALUE_MAX = 4096  # P.const(value=...) compares data only for constants up to this size
-
-
-# ---- matching state ----------------------------------------------------------------------------
-
-class _Uses:
-    """Use counts for the driver: users per value (a node using a value twice counts twice) plus
-    graph outputs. Maintained incrementally while rules fire, rebuilt once per sweep."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.users: dict[Value, list[Node]] = graph.users()
-        self.out_ids = {id(v) for v in graph.outputs}
-
-    def count(self, v: Value) -> int:
-        return len(self.users.get(v, ())) + (id(v) in self.out_ids)
-
-    def add(self, v: Value, n: Node) -> None:
-        self.users.setdefault(v, []).append(n)
-
-    def remove(self, v: Value, n: Node) -> None:
-        us = self.users.get(v)
-        if us is not None and n in us:
-            us.remove(n)
-
-
-class _State:
-    """Bindings under construction; patterns undo their own bindings when they backtrack."""
-
-    __slots__ = ("values", "nodes", "matched", "uses", "why")
-
-    def __init__(self, uses: _Uses, why: list[tuple[int, str]] | None):
-        self.values: dict[str, Value] = {}
-        self.nodes: dict[str, Node] = {}
-        self.matched: list[Node] = []
-        self.uses = uses
-        # failure reasons, collected only when explaining (string building is not free)
-        self.why = why
-
-    def fail(self, fmt: str, *args: Any) -> None:
-        if self.why is not None:
-            self.why.append((len(self.values) + len(self.matched), fmt.format(*args)))
-
-
-def _desc(v: Value | None) -> str:
-    if v is None:
-        return "no value"
-    if v.kind == "node" and v.producer is not None:
-        return f"%{v.name} from {v.producer.op} '{v.producer.name}'"
-    return f"{v.kind} %{v.name}"
-
-
-def _bind(st: _State, name: str, v: Value) -> Iterator[None]:
-    """Binds `name` to v for the rest of the match (a name used twice must see the same value)."""
-    bound = st.values.get(name)
-    if bound is not None:
-        if bound is v:
-            yield
-        else:
-            st.fail("'{}' is bound to %{}, not %{}", name, bound.name, v.name)
-        return
-    st.values[name] = v
-    yield
-    del st.values[name]
-
-
-# ---- patterns -------------------------------------------------------------------------------------
-
-class Pattern:
-    """Matches a value; yields once per consistent way to bind it (backtracking via generators)."""
-
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:  # overridden by every pattern kind
-        raise TypeError(f"{type(self).__name__} is an abstract pattern")
-
-
-class AnyPattern(Pattern):
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        yield
-
-    def __repr__(self) -> str:
-        return "P.any()"
-
-
-class VarPattern(Pattern):
-    """Binds any present value; a name used twice must bind the same value (x * x)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        if v is None:
-            st.fail("'{}' wants a value, the input is absent", self.name)
-            return
-        yield from _bind(st, self.name, v)
-
-    def __repr__(self) -> str:
-        return f"P.var({self.name!r})"
-
-
-class ConstPattern(Pattern):
-    """A constant; with `value`, every element must equal it (x * 1, x + 0)."""
-
-    def __init__(self, name: str | None = None, value: float | None = None):
-        self.name = name
-        self.value = value
-
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        if v is None or v.kind != "const":
-            st.fail("expected a constant, got {}", _desc(v))
-            return
-        if self.value is not None:
-            arr = v.const_array()
-            if arr is None or arr.size > CONST_VALUE_MAX or not bool(np.all(arr == self.value)):
-                st.fail("constant %{} is not all {}", v.name, self.value)
-                return
-        if self.name is None:
-            yield
-            return
-        yield from _bind(st, self.name, v)
-
-    def __repr__(self) -> str:
-        return f"P.const({self.name!r}, value={self.value!r})"
-
-
-AttrSpec = Any  # a value to compare with, or a predicate `fn(attr_value) -> bool`
-
-
-def _attr_eq(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_attr_eq(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-class OpPattern(Pattern):
-    """A node with one of `ops`, attribute constraints, and operand patterns.
-
-    Trailing absent inputs are ignored; `rest=True` lets the node have more inputs than patterns.
-    Two-operand commutative ops try both orders unless `commutative=False`. `single_use` (operand
-    patterns only) requires the value to have exactly one use, so a rewrite does not duplicate work
-    that others still need. `output` selects which output of a multi-output node is meant."""
-
-    def __init__(self, ops: str | Iterable[str], inputs: Sequence[Pattern], *,
-                 attrs: Mapping[str, AttrSpec] | None = None, name: str | None = None,
-                 commutative: bool | None = None, single_use: bool = False,
-                 output: int | None = None, rest: bool = False):
-        self.ops = frozenset([ops] if isinstance(ops, str) else ops)
-        self.inputs = tuple(inputs)
-        self.attrs = dict(attrs or {})
-        self.name = name
-        self.commutative = commutative
-        self.single_use = single_use
-        self.output = output
-        self.rest = rest
-
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        if v is None or v.kind != "node" or v.producer is None:
-            st.fail("expected {} node, got {}", "|".join(sorted(self.ops)), _desc(v))
-            return
-        node = v.producer
-        if self.output is not None and node.outputs.index(v) != self.output:
-            st.fail("%{} is not output {} of '{}'", v.name, self.output, node.name)
-            return
-        if self.single_use and st.uses.count(v) != 1:
-            st.fail("%{} has {} uses, pattern wants one", v.name, st.uses.count(v))
-            return
-        yield from self.match_node(node, st)
-
-    def match_node(self, node: Node, st: _State) -> Iterator[None]:
-        if node.op not in self.ops:
-            st.fail("'{}' is {}, not {}", node.name, node.op, "|".join(sorted(self.ops)))
-            return
-        for k, spec in self.attrs.items():
-            got = node.attrs.get(k)
-            ok = bool(spec(got)) if callable(spec) else _attr_eq(got, spec)
-            if not ok:
-                st.fail("'{}' ({}) attribute {}={!r} does not fit", node.name, node.op, k, got)
-                return
-        ins = list(node.inputs)
-        while ins and ins[-1] is None:
-            ins.pop()
-        n = len(self.inputs)
-        if len(ins) < n or (len(ins) > n and not self.rest):
-            st.fail("'{}' ({}) has {} inputs, pattern has {}", node.name, node.op, len(ins), n)
-            return
-        if self.name is not None:
-            if self.name in st.nodes:
-                if st.nodes[self.name] is not node:
-                    st.fail("'{}' is bound to another node", self.name)
-                    return
-                bound_here = False
-            else:
-                st.nodes[self.name] = node
-                bound_here = True
-        st.matched.append(node)
-        comm = self.commutative if self.commutative is not None else node.op in COMMUTATIVE
-        orders = [self.inputs]
-        if comm and n == 2:
-            orders.append((self.inputs[1], self.inputs[0]))
-        for pats in orders:
-            yield from _match_seq(pats, ins, 0, st)
-        st.matched.pop()
-        if self.name is not None and bound_here:
-            del st.nodes[self.name]
-
-    def __repr__(self) -> str:
-        return f"P.op({'|'.join(sorted(self.ops))}, {', '.join(map(repr, self.inputs))})"
-
-
-def _match_seq(pats: Sequence[Pattern], vals: Sequence[Value | None], i: int, st: _State) -> Iterator[None]:
-    if i == len(pats):
-        yield
-        return
-    for _ in pats[i].match(vals[i], st):
-        yield from _match_seq(pats, vals, i + 1, st)
-
-
-class OrPattern(Pattern):
-    def __init__(self, alts: Sequence[Pattern]):
-        self.alts = tuple(alts)
-
-    def match(self, v: Value | None, st: _State) -> Iterator[None]:
-        for p in self.alts:
-            yield from p.match(v, st)
-
-
-class P:
-    """Pattern constructors."""
-
-    @staticmethod
-    def op(ops: str | Iterable[str], *inputs: Pattern, attrs: Mapping[str, AttrSpec] | None = None,
-           name: str | None = None, commutative: bool | None = None, single_use: bool = False,
-           output: int | None = None, rest: bool = False) -> OpPattern:
-        return OpPattern(ops, inputs, attrs=attrs, name=name, commutative=commutative,
-                         single_use=single_use, output=output, rest=rest)
-
-    @staticmethod
-    def var(name: str) -> VarPattern:
-        return VarPattern(name)
-
-    @staticmethod
-    def const(name: str | None = None, value: float | None = None) -> ConstPattern:
-        return ConstPattern(name, value)
-
-    @staticmethod
-    def any() -> AnyPattern:
-        return AnyPattern()
-
-    @staticmethod
-    def or_(*alts: Pattern) -> OrPattern:
-        return OrPattern(alts)
-
-
-# ---- matches and rules ----------------------------------------------------------------------------
-
-class Match:
-    """What a rule matched: the root node, bound values (`m["x"]`) and named nodes (`m.node("t")`)."""
-
-    def __init__(self, root: Node, values: dict[str, Value], nodes: dict[str, Node],
-                 matched: list[Node], uses: _Uses):
-        self.root = root
-        self.values = values
-        self.nodes = nodes
-        self.matched = matched  # every node the pattern covered, root first
-        self._uses = uses
-
-    def __getitem__(self, name: str) -> Value:
-        return self.values[name]
-
-    def get(self, name: str) -> Value | None:
-        return self.values.get(name)
-
-    def node(self, name: str) -> Node:
-        return self.nodes[name]
-
-    def const(self, name: str) -> np.ndarray:
-        arr = self.values[name].const_array()
-        if arr is None:
-            raise PassError(f"'{name}' (%{self.values[name].name}) is not a constant")
-        return arr
-
-    def n_uses(self, v: Value) -> int:
-        """Uses of `v` in the graph (node inputs plus graph outputs)."""
-        return self._uses.count(v)
-
+__all__ = ["COMMUTATIVE", "InPlaceEdits", "Match", "P", "Rule", "RuleSet", "RewriteStats", "SubgraphEdits"]
 
 Check = Callable[[Match], "str | None"]
-Rewrite = Callable[[Match, Graph], "Value | Sequence[Value] | None"]
+# values replacing the root's outputs (in-place), or (old, new) pairs (subgraph); None declines
+Rewrite = Callable[[Match, Graph], "Value | Sequence[Value] | Sequence[tuple[Value, Value]] | None"]
 
 
 @dataclass(frozen=True)
@@ -336,26 +63,39 @@ class Rule:
     pattern: OpPattern
     check: Check | None
     rewrite: Rewrite
+    # the reason when the pattern does not match and none of its parts said why (None: not counted)
+    why: str | None = None
+    doc: str = ""
 
-    def _try(self, node: Node, uses: _Uses, why: list[tuple[int, str]] | None) -> Match | str | None:
-        """A match whose check passes; else the last check's reason (str); None: no structural match."""
-        st = _State(uses, why)
+    def _search(self, node: Node, uses: Uses,
+                why: list[tuple[int, str]] | None) -> tuple[Match | None, str | None, str | None]:
+        """(a match whose check passes, the last check's reason, the pattern's declared reason)."""
+        st = MatchState(node, uses, why)
         reason: str | None = None
         for _ in self.pattern.match_node(node, st):
-            m = Match(node, dict(st.values), dict(st.nodes), list(st.matched), uses)
+            m = st.snapshot()
             reason = self.check(m) if self.check is not None else None
             if reason is None:
-                return m
-        return reason
+                return m, None, None
+        if reason is not None:
+            return None, reason, None
+        return None, None, st.refusal() or self.why
+
+    def attempt(self, node: Node, uses: Uses) -> Match | str | None:
+        """A match whose check passes; else the refusal reason (str); None: no match and no reason."""
+        m, checked, declared = self._search(node, uses, None)
+        return m if m is not None else (checked or declared)
 
     def match(self, graph: Graph, node: Node) -> Match | str:
         """Matches at `node` (for tests and --explain): the Match, or the reason there is none."""
         why: list[tuple[int, str]] = []
-        r = self._try(node, _Uses(graph), why)
-        if isinstance(r, Match):
-            return r
-        if r is not None:
-            return f"check refused: {r}"
+        m, checked, declared = self._search(node, Uses(graph), why)
+        if m is not None:
+            return m
+        if checked is not None:
+            return f"check refused: {checked}"
+        if declared is not None:
+            return declared
         if not why:
             return "no match"
         # the failure that got furthest (most bindings) explains best; ties: the order as written
@@ -368,6 +108,7 @@ class Rule:
 @dataclass
 class RewriteStats:
     matches: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, dict[str, int]] = field(default_factory=dict)  # rule -> reason -> count
     iterations: int = 0
     nodes_added: int = 0
     nodes_removed: int = 0
@@ -376,20 +117,50 @@ class RewriteStats:
     def changed(self) -> bool:
         return any(self.matches.values())
 
+    @property
+    def applied(self) -> dict[str, int]:
+        """Rules that fired, with their counts."""
+        return {k: v for k, v in self.matches.items() if v}
 
-class _Editor:
-    """One sweep's edits: new nodes wait in `before`/`after` lists keyed by their root and are
-    spliced in at the end, so a sweep costs O(nodes) plus the work of the rules that fire."""
+    def refuse(self, rule: str, reason: str) -> None:
+        r = self.refused.setdefault(rule, {})
+        r[reason] = r.get(reason, 0) + 1
+
+
+class Edits(Protocol):
+    """How one sweep's rewrites land in the graph (see the module docstring)."""
+
+    uses: Uses
+    added: int
+    removed: int
+
+    def skip(self, node: Node) -> bool: ...
+    def blocked(self, m: Match) -> bool: ...
+    def apply(self, rule: Rule, m: Match) -> str | None: ...
+    def commit(self) -> None: ...
+
+
+class InPlaceEdits:
+    """Canonicalization's edits: the rewrite returns the values that replace the root's outputs; new
+    nodes take the root's place (and its node and value names), and producers that lost their last
+    use go at once. New nodes wait in `before`/`after` lists keyed by their root and are spliced in at
+    the end, so a sweep costs O(nodes) plus the work of the rules that fire."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.uses = _Uses(graph)
+        self.uses = Uses(graph)
         self.known = {id(n) for n in graph.nodes}
         self.dead: set[int] = set()
         self.before: dict[int, list[Node]] = {}
         self.after: dict[int, list[Node]] = {}
         self.added = 0
         self.removed = 0
+
+    def skip(self, node: Node) -> bool:
+        return id(node) in self.dead
+
+    def blocked(self, m: Match) -> bool:
+        return False  # uses are kept current: a match always sees the graph as it now is
 
     def apply(self, rule: Rule, m: Match) -> str | None:
         """Runs the rule's rewrite and splices the result in; returns a reason if it declined."""
@@ -400,7 +171,7 @@ class _Editor:
         new_consts = list(islice(g.consts.values(), n_consts, None))
         if out is None:
             return self._decline(new_consts, "rewrite declined")
-        news = [out] if isinstance(out, Value) else list(out)
+        news = [x for x in ([out] if isinstance(out, Value) else out) if isinstance(x, Value)]
         if len(news) != len(root.outputs):
             raise PassError(f"rule '{rule.name}' at '{root.name}': rewrite returned {len(news)} "
                             f"values for {len(root.outputs)} outputs")
@@ -515,23 +286,83 @@ class _Editor:
         self.graph.nodes = out
 
 
-class RuleSet:
-    """Applies rules to a fixpoint (at most `max_iters` sweeps). Rules are tried in order on each
-    node whose op a rule's root accepts; the first that matches, passes its check and rewrites wins.
-    A RuleSet is a Pass."""
+def _pairs(root: Node, out: Value | Sequence[Value] | Sequence[tuple[Value, Value]]) -> list[tuple[Value, Value]]:
+    """(old, new) pairs; a bare value or a list of values replaces the root's outputs in order."""
+    if isinstance(out, Value):
+        return [(root.outputs[0], out)]
+    pairs: list[tuple[Value, Value]] = []
+    for i, x in enumerate(out):
+        pairs.append(x if isinstance(x, tuple) else (root.outputs[i], x))
+    return pairs
 
-    def __init__(self, name: str, rules: Sequence[Rule], *, max_iters: int = 16):
+
+class SubgraphEdits:
+    """Raising's edits: uses of each replaced value move to its replacement at once; new nodes are
+    appended and keep their own names (a graph output keeps its name: the replaced value gives it
+    up); after the sweep the graph is sorted and dead code removed. Matches read the uses as they
+    were when the sweep began, and nodes one match consumed are not matched again until the next."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.uses = Uses(graph)
+        self.consumed: set[int] = set()
+        self.changed = False
+        self.added = 0
+        self.removed = 0
+
+    def skip(self, node: Node) -> bool:
+        return id(node) in self.consumed
+
+    def blocked(self, m: Match) -> bool:
+        return any(id(n) in self.consumed for n in m.consumed)
+
+    def apply(self, rule: Rule, m: Match) -> str | None:
+        g = self.graph
+        n_nodes = len(g.nodes)
+        out = rule.rewrite(m, g)
+        if out is None:
+            return "rewrite declined"
+        for old, new in _pairs(m.root, out):
+            if any(old is o for o in g.outputs):
+                _keep_output_name(g, old, new)
+            g.replace_uses(old, new)
+        self.consumed.update(id(n) for n in m.consumed)
+        self.consumed.add(id(m.root))
+        self.added += len(g.nodes) - n_nodes
+        self.changed = True
+        return None
+
+    def commit(self) -> None:
+        if self.changed:
+            self.graph.toposort()
+            self.removed += dce(self.graph).stats.get("nodes_removed", 0)
+
+
+def _keep_output_name(g: Graph, old: Value, new: Value) -> None:
+    """A graph output keeps its name (logits, present.0.key) when its producer is replaced."""
+    name = old.name
+    old.name = g.fresh_name(name + ".old")
+    new_name = new.name
+    new.name = name
+    release_value_name(g, new_name)
+
+
+class RuleSet:
+    """Applies rules to a fixpoint (at most `max_iters` sweeps). In a sweep, rules are tried in order
+    on each node whose op a rule's root accepts; the first that matches, passes its check and
+    rewrites wins. With `per_rule`, each rule runs its own sweeps in turn. A RuleSet is a Pass."""
+
+    def __init__(self, name: str, rules: Sequence[Rule], *, max_iters: int = 16, per_rule: bool = False,
+                 edits: Callable[[Graph], Edits] = InPlaceEdits):
         names = [r.name for r in rules]
         if len(set(names)) != len(names):
             raise PassError(f"rule set '{name}' has duplicate rule names")
         self.name = name
         self.rules = list(rules)
         self.max_iters = max_iters
-        self._by_op: dict[str, list[Rule]] = {}
-        for r in self.rules:
-            for op in sorted(r.pattern.ops):
-                self._by_op.setdefault(op, []).append(r)
-        # rule name -> "node: reason" of the last refusal (check or rewrite), for --explain
+        self.per_rule = per_rule
+        self.edits = edits
+        # rule name -> "node: reason" of the last refusal (check, pattern or rewrite), for --explain
         self.last_reason: dict[str, str] = {}
 
     def apply(self, graph: Graph) -> RewriteStats:
@@ -539,35 +370,49 @@ class RuleSet:
         initial = {id(c) for c in graph.consts.values()}
         used = {id(v) for n in graph.nodes for v in n.inputs if v is not None} | {id(v) for v in graph.outputs}
         used_before = initial & used
-        for it in range(self.max_iters):
-            stats.iterations = it + 1
-            ed = _Editor(graph)
-            fired = 0
-            for node in list(graph.nodes):
-                if id(node) in ed.dead:
-                    continue
-                for rule in self._by_op.get(node.op, ()):
-                    res = rule._try(node, ed.uses, None)
-                    if res is None:
-                        continue
-                    if isinstance(res, str):
-                        self.last_reason[rule.name] = f"{node.name}: {res}"
-                        continue
-                    declined = ed.apply(rule, res)
-                    if declined is not None:
-                        self.last_reason[rule.name] = f"{node.name}: {declined}"
-                        continue
-                    stats.matches[rule.name] += 1
-                    fired += 1
+        for group in ([[r] for r in self.rules] if self.per_rule else [self.rules]):
+            by_op: dict[str, list[Rule]] = {}
+            for r in group:
+                for op in sorted(r.pattern.ops):
+                    by_op.setdefault(op, []).append(r)
+            for _ in range(self.max_iters):
+                stats.iterations += 1
+                if not self._sweep(graph, by_op, stats):
                     break
-            ed.commit()
-            stats.nodes_added += ed.added
-            stats.nodes_removed += ed.removed
-            if not fired:
-                break
         # constants this rule set made unused or made and dropped; older unused ones are DCE's business
         drop_consts(graph, [c for c in graph.consts.values() if id(c) in used_before or id(c) not in initial])
         return stats
+
+    def _sweep(self, graph: Graph, by_op: dict[str, list[Rule]], stats: RewriteStats) -> int:
+        ed = self.edits(graph)
+        fired = 0
+        for node in list(graph.nodes):
+            if ed.skip(node):
+                continue
+            for rule in by_op.get(node.op, ()):
+                res = rule.attempt(node, ed.uses)
+                if res is None:
+                    continue
+                if isinstance(res, str):
+                    self._refused(stats, rule, node, res)
+                    continue
+                if ed.blocked(res):
+                    continue  # overlaps what this sweep already rewrote: the next sweep sees it anew
+                declined = ed.apply(rule, res)
+                if declined is not None:
+                    self._refused(stats, rule, node, declined)
+                    continue
+                stats.matches[rule.name] += 1
+                fired += 1
+                break
+        ed.commit()
+        stats.nodes_added += ed.added
+        stats.nodes_removed += ed.removed
+        return fired
+
+    def _refused(self, stats: RewriteStats, rule: Rule, node: Node, reason: str) -> None:
+        stats.refuse(rule.name, reason)
+        self.last_reason[rule.name] = f"{node.name}: {reason}"
 
     def run(self, graph: Graph) -> PassResult:
         s = self.apply(graph)

@@ -1,6 +1,7 @@
 """The reference executor: runs any IR graph (op-level or raised, stateless, prefill or decode)
-on the CPU with PyTorch, one node at a time, through the kernels of `kernels.py`. It is the oracle
-for everything downstream.
+on the CPU with PyTorch, one node at a time, through the kernels of `kernels.py` (evaluated by
+`evaluate.py`, which reports a failing node by name, op and input shapes). It is the oracle for
+everything downstream.
 
 State values (the compiler-owned KV cache) are tensors held by the executor and updated in place
 by the ops that write them (Attention with a cache), so a decode step sees what prefill wrote.
@@ -14,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from zlc.errors import IRError, ShapeError, ZlcError
+from zlc.errors import ZlcError
 from zlc.ir import Graph
 
-from .kernels import KERNELS, const_tensor
+from .evaluate import evaluate
+from .kernels import const_tensor
 
 
 class ReferenceExecutor:
@@ -59,27 +61,7 @@ class ReferenceExecutor:
         for v in g.state:
             env[id(v)] = self.state[v.name]
         named: dict[str, torch.Tensor] = {}
-        for node in g.nodes:
-            k = KERNELS.get(node.op)
-            if k is None:
-                raise IRError(f"reference executor has no kernel for op '{node.op}' (node '{node.name}')")
-            args = [None if v is None else env[id(v)] for v in node.inputs]
-            try:
-                outs = k(node, args)
-            except ZlcError:
-                raise
-            except Exception as e:  # a kernel failing on what it was given: report the node
-                shapes = [None if a is None else tuple(a.shape) for a in args]
-                first = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ShapeError(f"node '{node.name}' ({node.op}) failed on input shapes {shapes}: "
-                                 f"{first}") from e
-            if len(outs) != len(node.outputs):
-                raise ShapeError(f"node '{node.name}' ({node.op}) produced {len(outs)} outputs, "
-                                 f"its graph node has {len(node.outputs)}")
-            for o, t in zip(node.outputs, outs, strict=True):
-                env[id(o)] = t
-                if keep:
-                    named[o.name] = t
+        evaluate(g.nodes, env, named=named if keep else None)
         for v in g.outputs:
             named[v.name] = env[id(v)]
         return named
