@@ -1,9 +1,14 @@
-"""The compiler driver: an explicit, named pipeline from a model to raised prefill/decode graphs.
+"""The compiler driver: the lowering pipeline from a model to raised prefill/decode graphs, as data.
 
     import -> fold -> canonicalize -> cse -> dce -> raise -> cleanup -> kv-cache
 
-Every stage can be dumped (`zlc inspect MODEL --ir --after raise`) and reports statistics. The
-options are a frozen dataclass; its `key()` hashes into cache keys.
+`LOWERING` is that list: the frontend (`import`) makes a graph, each `GraphStage` edits it in
+place, and KV-cache synthesis (`kv-cache`) derives the prefill and decode graphs from it. The
+`raise` stage runs the raising rule sets (`zlc.passes.raise_all.RAISING`), each of which is a
+dump point of its own (`RAISE_STAGES`). Every stage, and every rule set, can be dumped
+(`zlc inspect MODEL --ir --after raise-attention`) and reports its time and statistics from the same
+list (`Lowered.stages`, `zlc inspect --stats`). The options are a frozen dataclass; its `key()`
+hashes into cache keys.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zlc.passes import CLEANUP_PASSES, GENERIC_PASSES
+from zlc.passes.kv_cache import synthesize_kv_cache
+from zlc.passes.probe import IDS, classify_inputs
+from zlc.passes.raise_all import RAISING, raise_graph
+
 from .errors import NotADecoderError, PassError, ZlcError
 from .ir import Graph, verify_graph
-
-STAGES = ("import", "fold", "canonicalize", "cse", "dce", "raise", "cleanup", "kv-cache")
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,70 @@ class StageReport:
     seconds: float
     nodes: int
     stats: dict[str, Any] = field(default_factory=dict)
+    parts: list[StageReport] = field(default_factory=list)  # a stage made of parts: one report each
+
+
+@dataclass
+class StageOutcome:
+    """What a graph stage did: its statistics, its parts' reports, raising's refusals."""
+
+    stats: dict[str, Any] = field(default_factory=dict)
+    parts: list[StageReport] = field(default_factory=list)
+    refused: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GraphStage:
+    """A stage that edits the graph in place. `run(graph, stop_after)` says what it did;
+    `stop_after` names the part to end on (a stage made of parts: the raising rule sets)."""
+
+    name: str
+    run: Callable[[Graph, str | None], StageOutcome]
+    parts: tuple[str, ...] = ()
+    doc: str = ""
+
+
+def _passes(passes: list[tuple[str, Callable[[Graph], Any]]]) -> Callable[[Graph, str | None], StageOutcome]:
+    """One stage from passes run in order. Statistics keep their names for a single pass and are
+    prefixed with the pass name when several share the stage (`cse.merged`, `dce.removed`)."""
+    def run(g: Graph, stop_after: str | None) -> StageOutcome:
+        out = StageOutcome()
+        for name, fn in passes:
+            stats = getattr(fn(g), "stats", None) or {}
+            out.stats.update(stats if len(passes) == 1 else {f"{name}.{k}": v for k, v in stats.items()})
+        return out
+    return run
+
+
+def _raise(g: Graph, stop_after: str | None) -> StageOutcome:
+    """The raising rule sets (over up to RAISE_SWEEPS sweeps); one part report per rule set."""
+    parts: dict[str, StageReport] = {}
+    clock = [time.perf_counter()]
+
+    def seen(name: str, graph: Graph, s: Any) -> None:
+        now = time.perf_counter()
+        r = parts.setdefault(name, StageReport(name, 0.0, 0))
+        r.seconds += now - clock[0]
+        r.nodes = len(graph.nodes)
+        for k, v in s.applied.items():
+            r.stats[k] = r.stats.get(k, 0) + v
+        clock[0] = now
+
+    st = raise_graph(g, observer=seen, stop_after=stop_after)
+    return StageOutcome(dict(st.applied), list(parts.values()), st.refused)
+
+
+GRAPH_STAGES: tuple[GraphStage, ...] = (
+    *(GraphStage(name, _passes([(name, fn)])) for name, fn in GENERIC_PASSES),
+    GraphStage("raise", _raise, parts=tuple(name for name, _ in RAISING),
+               doc="the raising rule sets, in order: op-level subgraphs -> transformer-level ops"),
+    GraphStage("cleanup", _passes(CLEANUP_PASSES), doc="fold, CSE and DCE over what raising left"),
+)
+#: Every stage of the lowering pipeline, in order: the frontend, the graph stages, KV-cache synthesis.
+STAGES = ("import", *(s.name for s in GRAPH_STAGES), "kv-cache")
+#: Dump points inside `raise`: one per raising rule set (`stop_after="raise-attention"`).
+RAISE_STAGES = tuple(name for name, _ in RAISING)
+DUMP_POINTS = STAGES + RAISE_STAGES
 
 
 @dataclass
@@ -95,8 +167,6 @@ def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None) -> Gra
 
 def check_decoder(g: Graph) -> None:
     """One clear error when the graph is not token ids -> logits."""
-    from zlc.passes.probe import IDS, classify_inputs
-
     roles = classify_inputs(g)
     ids = [v for v in g.inputs if roles.get(v.name) == IDS]
     if not ids:
@@ -113,71 +183,55 @@ def check_decoder(g: Graph) -> None:
 def lower(model: Any, example_inputs: tuple[Any, ...] | None = None, *,
           options: CompileOptions | None = None, observer: Observer | None = None,
           stop_after: str | None = None) -> Lowered:
-    """Runs the pipeline. `observer(stage, graph)` sees the graph after each stage (for dumps and
-    progress); `stop_after` ends the pipeline early."""
-    from zlc.passes.canonicalize import canonicalize
-    from zlc.passes.cse import cse
-    from zlc.passes.dce import dce
-    from zlc.passes.fold_constants import fold_constants
-    from zlc.passes.kv_cache import synthesize_kv_cache
-    from zlc.passes.raise_all import raise_graph
-
+    """Runs the pipeline. `observer(stage, graph)` sees the graph after each stage of STAGES (for
+    dumps and progress); `stop_after` (any of DUMP_POINTS) ends the pipeline after that stage or
+    raising rule set."""
     opts = options or CompileOptions()
-    if stop_after is not None and stop_after not in STAGES:
+    if stop_after is not None and stop_after not in DUMP_POINTS:
+        if stop_after.startswith("raise"):
+            raise ZlcError(f"unknown raising rule set '{stop_after}'; rule sets: {', '.join(RAISE_STAGES)}")
         raise ZlcError(f"unknown stage '{stop_after}'; stages: {', '.join(STAGES)}")
+    part = stop_after if stop_after in RAISE_STAGES else None
+    stop = "raise" if part is not None else stop_after
     stages: list[StageReport] = []
+    refused: dict[str, dict[str, int]] = {}
 
     t0 = time.perf_counter()
     g = load_model(model, example_inputs)
     g.metadata["max_seq"] = opts.max_seq
     stages.append(StageReport("import", time.perf_counter() - t0, len(g.nodes)))
     hist_before = g.op_histogram()
-    refused: dict[str, dict[str, int]] = {}
-
-    def stage(name: str, fn: Callable[[Graph], Any]) -> bool:
-        t = time.perf_counter()
-        res = fn(g)
-        stats = getattr(res, "stats", None) or getattr(res, "applied", None) or {}
-        if opts.verify_ir:
-            verify_graph(g)
-        stages.append(StageReport(name, time.perf_counter() - t, len(g.nodes), dict(stats)))
-        if observer:
-            observer(name, g)
-        return stop_after == name
-
     if observer:
         observer("import", g)
-    if stop_after == "import":
+    if stop == "import":
         return Lowered(g, None, None, stages, hist_before, g.op_histogram(), refused, opts.max_seq)
     check_decoder(g)
-    done = False
-    for name, fn in (("fold", fold_constants), ("canonicalize", canonicalize), ("cse", cse), ("dce", dce)):
-        if stage(name, fn):
-            done = True
+    for st in GRAPH_STAGES:
+        if st.name in ("raise", "cleanup") and not opts.raise_ops:
             break
-    if not done and opts.raise_ops:
-        def _raise(gr: Graph) -> Any:
-            st = raise_graph(gr)
-            refused.update(st.refused)
-            return st
-
-        done = stage("raise", _raise)
-        if not done:
-            done = stage("cleanup", lambda gr: (fold_constants(gr), cse(gr), dce(gr))[-1])
-    prefill = decode = None
-    if not done and opts.kv_cache and opts.raise_ops:
         t = time.perf_counter()
-        cm = synthesize_kv_cache(g, opts.max_seq)
-        prefill, decode = cm.prefill, cm.decode
+        out = st.run(g, part if st.name == "raise" else None)
+        refused.update(out.refused)
         if opts.verify_ir:
-            verify_graph(prefill)
-            verify_graph(decode)
-        stages.append(StageReport("kv-cache", time.perf_counter() - t, len(decode.nodes),
-                                  {"cache_buffers": len(cm.cache)}))
+            verify_graph(g)
+        stages.append(StageReport(st.name, time.perf_counter() - t, len(g.nodes), out.stats, out.parts))
         if observer:
-            observer("kv-cache", decode)
-    elif not done and opts.kv_cache and not opts.raise_ops:
+            observer(st.name, g)
+        if st.name == stop:
+            return Lowered(g, None, None, stages, hist_before, g.op_histogram(), refused, opts.max_seq)
+    if not opts.kv_cache:
+        return Lowered(g, None, None, stages, hist_before, g.op_histogram(), refused, opts.max_seq)
+    if not opts.raise_ops:
         raise PassError("KV-cache synthesis needs raising (raise_ops=True)")
+    t = time.perf_counter()
+    cm = synthesize_kv_cache(g, opts.max_seq)
+    if opts.verify_ir:
+        verify_graph(cm.prefill)
+        verify_graph(cm.decode)
+    stages.append(StageReport("kv-cache", time.perf_counter() - t, len(cm.decode.nodes),
+                              {"cache_buffers": len(cm.cache)}))
+    if observer:
+        observer("kv-cache", cm.decode)
     # The histogram that matters is the decode graph's: what codegen will tile.
-    hist_after = decode.op_histogram() if decode is not None else g.op_histogram()
-    return Lowered(g, prefill, decode, stages, hist_before, hist_after, refused, opts.max_seq)
+    return Lowered(g, cm.prefill, cm.decode, stages, hist_before, cm.decode.op_histogram(), refused,
+                   opts.max_seq)

@@ -33,7 +33,7 @@ from .raise_layers import (
     SPLIT_LINEAR,
 )
 from .raising import RaiseStats, raising_rules
-from .rewrite import RuleSet
+from .rewrite import RewriteStats, RuleSet
 
 # Order matters: Linear before MLPs (they match Linear nodes); LM head last among layers so that
 # an MLP's down projection is never mistaken for the head.
@@ -54,16 +54,23 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
 RAISE_SWEEPS = 2
 
 
-def raise_graph(g: Graph, observer: Callable[[str, Graph], None] | None = None) -> RaiseStats:
+def raise_graph(g: Graph, observer: Callable[[str, Graph, RewriteStats], None] | None = None, *,
+                stop_after: str | None = None) -> RaiseStats:
     """Applies the RAISING rule sets in order, again while a sweep raised something (at most
-    RAISE_SWEEPS sweeps). `observer(name, graph)` sees the graph after each rule set."""
+    RAISE_SWEEPS sweeps). `observer(name, graph, stats)` sees the graph after each rule set, with
+    what that set did; `stop_after=NAME` ends right after rule set NAME's first application."""
+    if stop_after is not None and stop_after not in {name for name, _ in RAISING}:
+        raise ValueError(f"unknown raising rule set {stop_after!r}")
     stats = RaiseStats()
     for _ in range(RAISE_SWEEPS):
         before = sum(stats.applied.values())
         for name, rules in RAISING:
-            stats.add(rules.apply(g))
+            s = rules.apply(g)
+            stats.add(s)
             if observer is not None:
-                observer(name, g)
+                observer(name, g, s)
+            if name == stop_after:
+                return stats
         if sum(stats.applied.values()) == before:
             break
     return stats

@@ -62,6 +62,32 @@ def test_cli_stage_names_mirror_the_driver() -> None:
     assert cli.STAGE_NAMES == zlc.STAGES
 
 
+def test_cli_mirrors_of_raising_and_compile_stage_names() -> None:
+    import zlc.compile
+    import zlc.driver
+    from zlc.cli import common
+
+    assert common.RAISE_STAGE_NAMES == zlc.driver.RAISE_STAGES
+    assert common.COMPILE_STAGE_NAMES == zlc.compile.COMPILE_STAGE_NAMES
+
+
+def test_inspect_after_a_raising_rule_set(tiny_onnx: Path) -> None:
+    res = zlc_cli("inspect", tiny_onnx, "--after", "raise-norms")
+    assert res.exit_code == 0, res.stderr
+    assert "RMSNorm(" in res.stdout and "Attention(" not in res.stdout
+
+
+def test_inspect_after_compile_stages(tiny_onnx: Path) -> None:
+    res = zlc_cli("inspect", tiny_onnx, "--after", "schedule", "--max-seq", 32)
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["cpu"]["tasks"]["decode"] > 0 and "tasks_by_op" in summary["cpu"]
+    res = zlc_cli("inspect", tiny_onnx, "--after", "emit", "--max-seq", 32)
+    assert res.exit_code == 0, res.stderr
+    assert "@triton.jit" in res.stdout and "def zlc_megakernel(" in res.stdout
+    assert not list(Path.cwd().glob("*.partial")), "a stopped compile must leave no bundle behind"
+
+
 def test_import_and_help_do_not_load_torch() -> None:
     code = "import sys, zlc, zlc.cli; assert 'torch' not in sys.modules and 'onnx' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

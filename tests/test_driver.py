@@ -13,6 +13,7 @@ import onnx
 import pytest
 
 import zlc
+import zlc.driver
 from zlc.ir import Graph, verify_graph
 
 
@@ -64,6 +65,39 @@ def test_stop_after_each_stage(tiny_onnx: Path, stage: str) -> None:
     verify_graph(lowered.graph)
     raised = zlc.STAGES.index(stage) >= zlc.STAGES.index("raise")
     assert ("Attention" in lowered.graph.op_histogram()) == raised
+
+
+@pytest.mark.parametrize("rule_set", zlc.driver.RAISE_STAGES)
+def test_stop_after_each_raising_rule_set(tiny_onnx: Path, rule_set: str) -> None:
+    """Every raising rule set is a dump point: the pipeline ends right after its first application,
+    the raise stage reports each set that ran, and what the set raises is in the graph from then on."""
+    lowered = zlc.lower(tiny_onnx, options=zlc.CompileOptions(max_seq=32), stop_after=rule_set)
+    raise_report = lowered.stages[-1]
+    assert raise_report.name == "raise" and lowered.decode is None
+    names = [p.name for p in raise_report.parts]
+    assert names == list(zlc.driver.RAISE_STAGES[:names.index(rule_set) + 1])
+    verify_graph(lowered.graph)
+    hist = lowered.graph.op_histogram()
+    i = zlc.driver.RAISE_STAGES.index
+    assert ("RMSNorm" in hist) == (i(rule_set) >= i("raise-norms"))
+    assert ("Attention" in hist) == (i(rule_set) >= i("raise-attention"))
+    assert ("LMHead" in hist) == (i(rule_set) >= i("raise-lm-head"))
+
+
+def test_raise_stage_reports_its_rule_sets(tiny_lowered: Any) -> None:
+    raised = tiny_lowered.stages[zlc.STAGES.index("raise")]
+    assert {p.name for p in raised.parts} == set(zlc.driver.RAISE_STAGES)
+    total: dict[str, int] = {}
+    for part in raised.parts:
+        assert part.seconds >= 0 and part.nodes > 0
+        for rule, n in part.stats.items():
+            total[rule] = total.get(rule, 0) + n
+    assert total == raised.stats  # the parts add up to the stage
+
+
+def test_unknown_raising_rule_set(tiny_onnx: Path) -> None:
+    with pytest.raises(zlc.ZlcError, match="unknown raising rule set 'raise-nope'; rule sets: raise-norms"):
+        zlc.lower(tiny_onnx, stop_after="raise-nope")
 
 
 def test_unknown_stage(tiny_onnx: Path) -> None:

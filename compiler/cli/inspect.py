@@ -12,7 +12,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import ZlcError
-from .common import MAX_SEQ, STAGE_NAMES, cli, histogram_table, out_console, print_bundle, progress
+from .common import (
+    COMPILE_STAGE_NAMES,
+    MAX_SEQ,
+    RAISE_STAGE_NAMES,
+    STAGE_NAMES,
+    cli,
+    histogram_table,
+    out_console,
+    print_bundle,
+    progress,
+)
 
 if TYPE_CHECKING:
     from ..driver import Lowered
@@ -23,7 +33,10 @@ if TYPE_CHECKING:
 @click.argument("model", type=click.Path(path_type=Path), metavar="MODEL|BUNDLE")
 @click.option("--ir", "show_ir", is_flag=True, help="Print the IR text (default: the final decode graph).")
 @click.option("--after", "after", metavar="STAGE", default=None,
-              help=f"Stop the pipeline after STAGE and dump that graph: {', '.join(STAGE_NAMES)}.")
+              help=f"Stop the pipeline after STAGE and dump what it made. Lowering stages (the IR): "
+                   f"{', '.join(STAGE_NAMES)}; raising rule sets (the IR): {', '.join(RAISE_STAGE_NAMES)}; "
+                   f"compile stages (what zlc compile made, e.g. the task tables or the kernel source): "
+                   f"{', '.join(COMPILE_STAGE_NAMES)}.")
 @click.option("--prefill", is_flag=True, help="With the kv-cache stage, dump the prefill graph instead.")
 @click.option("--stats", is_flag=True, help="Per-stage time, node count and statistics; op histograms.")
 @click.option("--explain", is_flag=True, help="Why raising rules refused to match (rule, reason, count).")
@@ -31,16 +44,20 @@ if TYPE_CHECKING:
               "--prefill for prefill) of the cpu tiling, or --tiling gpu.")
 @click.option("--tiling", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest.")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="With a compile stage for --after: the targets to compile for (default: cpu).")
 @MAX_SEQ
 def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats: bool, explain: bool,
-            show_tasks: bool, tiling: str, as_json: bool, max_seq: int | None) -> None:
+            show_tasks: bool, tiling: str, as_json: bool, targets: tuple[str, ...], max_seq: int | None) -> None:
     """Lower MODEL and show what the compiler did (without flags: the stage statistics), or show a
     compiled BUNDLE: model, tasks per step, per-target registers/spills and roofline."""
     if model.is_dir():
         _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
                         show_ir)
         return
-    _check_stage(after)
+    if _check_stage(after) == "compile":
+        _inspect_compile_stage(model, str(after), targets, max_seq)
+        return
     show_ir = show_ir or (after is not None and not (stats or explain))
     if not (show_ir or stats or explain):
         stats = True
@@ -59,15 +76,35 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
         click.echo(print_graph(_dumped_graph(lowered, after, prefill)), nl=False)
 
 
-def _check_stage(name: str | None) -> None:
-    """Fails on a stage name the driver does not know, before the pipeline runs. Reads the driver's
-    own list (not the STAGE_NAMES mirror), so new stages are accepted as soon as the driver has them."""
+def _check_stage(name: str | None) -> str | None:
+    """Which pipeline NAME belongs to ("lower" or "compile"); fails on a name neither knows, before
+    anything runs. Reads the pipelines' own lists (not the mirrors in common.py)."""
     if name is None:
-        return
-    from ..driver import STAGES
+        return None
+    from ..compile import COMPILE_STAGE_NAMES as compile_stages
+    from ..driver import DUMP_POINTS, STAGES
 
-    if name not in STAGES:
-        raise ZlcError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+    if name in DUMP_POINTS:
+        return "lower"
+    if name in compile_stages:
+        return "compile"
+    raise ZlcError(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+
+
+def _inspect_compile_stage(model: Path, stage: str, targets: tuple[str, ...], max_seq: int | None) -> None:
+    """Compiles into a scratch directory up to `stage` and prints what that stage made."""
+    import tempfile
+
+    from ..compile import COMPILE_STAGES, compile
+    from .compile import CompileProgress
+
+    with tempfile.TemporaryDirectory(prefix="zlc-inspect-") as d, CompileProgress() as p:
+        res = compile(model, targets=list(targets) or ["cpu"], out=Path(d) / "model.zlc",
+                      max_seq=max_seq or 2048, progress=p, stop_after=stage)
+        p.done()
+        assert res.build is not None
+        text = next(s for s in COMPILE_STAGES if s.name == stage).show(res.build)
+    click.echo(text if text.endswith("\n") else text + "\n", nl=False)
 
 
 def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_json: bool, show_ir: bool) -> None:
@@ -119,6 +156,9 @@ def _print_stats(lowered: Lowered) -> None:
     for s in lowered.stages:
         detail = ", ".join(f"{k}={v}" for k, v in s.stats.items())
         t.add_row(s.name, f"{s.seconds * 1e3:.1f}", str(s.nodes), escape(detail))
+        for part in s.parts:  # the raising rule sets
+            detail = ", ".join(f"{k}={v}" for k, v in part.stats.items())
+            t.add_row(f"  {part.name}", f"{part.seconds * 1e3:.1f}", str(part.nodes), escape(detail))
     t.add_row("[bold]total[/]", f"{sum(s.seconds for s in lowered.stages) * 1e3:.1f}", "", "")
     out.print(t)
     out.print(histogram_table(lowered.histogram_before, lowered.histogram_after))
