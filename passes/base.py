@@ -82,11 +82,11 @@ def precision(t: TensorType) -> int:
     return 1 + sum(2 if isinstance(d, int) else (0 if is_unknown_dim(d) else 1) for d in t.shape)
 
 
-# Value and node names are claimed in the graph's private name sets (so `fresh_name` never hands
-# out a live name); passes that give a replacement its predecessor's name go through these.
+# Value and node names are claimed in the graph (so `fresh_name` never hands out a live name);
+# passes that give a replacement its predecessor's name go through these.
 
 def release_value_name(graph: Graph, name: str) -> None:
-    graph._names.discard(name)
+    graph.release_name(name)
 
 
 def rename_value(graph: Graph, v: Value, name: str) -> None:
@@ -94,8 +94,9 @@ def rename_value(graph: Graph, v: Value, name: str) -> None:
     if v.name == name:
         return
     old = v.name
-    graph._names.discard(old)
-    graph._names.add(name)
+    graph.release_name(old)
+    graph.release_name(name)  # its previous owner is gone or about to be
+    graph.claim_name(name)
     v.name = name
     if v.kind == "const" and graph.consts.get(old) is v:
         graph.consts = {(name if k == old else k): c for k, c in graph.consts.items()}
@@ -104,8 +105,8 @@ def rename_value(graph: Graph, v: Value, name: str) -> None:
 def rename_node(graph: Graph, node: Node, name: str) -> None:
     if node.name == name:
         return
-    graph._node_names.discard(node.name)
-    graph._node_names.add(name)
+    graph.release_node_name(node.name)
+    graph.claim_node_name(name)
     node.name = name
 
 
@@ -123,5 +124,5 @@ def drop_consts(graph: Graph, candidates: Iterable[Value]) -> int:
     for v in cand.values():
         if graph.consts.get(v.name) is v:
             del graph.consts[v.name]
-            graph._names.discard(v.name)
+            graph.release_name(v.name)
     return len(cand)

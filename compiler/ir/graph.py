@@ -84,6 +84,10 @@ class Graph:
         """Gives `name` back, for a value about to take it (or one that is gone)."""
         self._names.discard(name)
 
+    def release_node_name(self, name: str) -> None:
+        """Gives a node name back (the node is renamed or gone)."""
+        self._node_names.discard(name)
+
     # ---- construction --------------------------------------------------------------------
     def add_input(self, name: str, type: TensorType) -> Value:
         v = Value(self.claim_name(name), type, "input")
