@@ -1,4 +1,4 @@
-"""The request/result rings (``zlc.runtime.serve.rings``, C in runtime/_rings.c; layout in docs/rings.md).
+"""The request/result rings (``zlc.runtime.serve.rings``, C in runtime/serve/_rings.c; layout in docs/rings.md).
 
 - the documented byte layout, read back with struct;
 - a Hypothesis state machine against a deque model: backpressure (a full ring refuses and stays
