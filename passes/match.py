@@ -10,6 +10,8 @@ import torch
 from zlc.ir import Graph, Node, Value
 from zlc.reference.evaluate import evaluate
 
+from .pattern import scalar
+
 TRANSPARENT = ("Cast", "Identity")
 
 
@@ -27,16 +29,6 @@ def strip(v: Value, ops: tuple[str, ...] = TRANSPARENT) -> Value:
     while v.producer is not None and v.producer.op in ops and v.producer.inputs[0] is not None:
         v = v.producer.inputs[0]
     return v
-
-
-def scalar(v: Value | None) -> float | None:
-    """The value of a constant with one element (any shape of size 1)."""
-    if v is None or v.data is None:
-        return None
-    a = v.const_array()
-    if a is None or a.size != 1:
-        return None
-    return float(a.reshape(-1)[0])
 
 
 def const2d(v: Value | None) -> np.ndarray | torch.Tensor | None:

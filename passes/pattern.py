@@ -137,7 +137,7 @@ def _bind(st: MatchState, name: str, v: Value, why: str | None = None) -> Iterat
     del st.values[name]
 
 
-def _scalar(v: Value | None) -> float | None:
+def scalar(v: Value | None) -> float | None:
     """The value of a constant with exactly one element (any shape of size 1)."""
     if v is None or v.data is None:
         return None
@@ -225,7 +225,7 @@ class ScalarPattern(Pattern):
         self.why = why
 
     def match(self, v: Value | None, st: MatchState) -> Iterator[None]:
-        x = _scalar(v)
+        x = scalar(v)
         if x is None or (self.value is not None and x != self.value):
             st.fail("expected a scalar constant{}, got {}",
                     "" if self.value is None else f" {self.value}", _desc(v))
@@ -478,7 +478,7 @@ class Match:
         return arr
 
     def scalar(self, name: str) -> float:
-        x = _scalar(self.values[name])
+        x = scalar(self.values[name])
         if x is None:
             raise PassError(f"'{name}' (%{self.values[name].name}) is not a one-element constant")
         return x

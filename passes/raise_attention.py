@@ -14,8 +14,8 @@ import torch
 from zlc.ir import Graph, Node, Value
 
 from . import probe
-from .match import prod, scalar, slice_bounds, strip
-from .pattern import OpPattern
+from .match import prod, slice_bounds, strip
+from .pattern import OpPattern, scalar
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
