@@ -222,12 +222,13 @@ def resource_usage(cubin: bytes, *, function: str | None = None, ptxas_log: str 
 def check_ptx_sync(ptx: str) -> list[str]:
     """Problems with the megakernel's cross-CTA memory ordering in `ptx`; [] means ok.
 
-    The protocol signals with a release atomic (`red`/`atom`/`st` .release) and waits with an
-    acquire (`ld.acquire`, `atom.acquire`, or a relaxed poll followed by `fence.acquire` -- sm_90 --
-    or `fence.acq_rel` -- sm_8x). Both must be wider than a CTA. acq_rel atomics (Triton's default
-    for atomic_add) are deliberately not counted: they would hide a release/acquire lowered to
-    relaxed, which is the Triton-upgrade regression this guard exists for."""
-    acquire = release = False
+    The protocol (docs/megakernel.md, "Why it is correct"): a task signals with a release atomic
+    (`red`/`atom`/`st` .release, or a gpu/sys fence before a relaxed one) wider than a CTA; a waiting
+    task polls with a strong load at gpu/sys scope (`ld.relaxed.gpu`, `ld.acquire`, `atom`) and
+    reads what other CTAs wrote with `.cg` loads (L2, never a stale L1 line). acq_rel atomics
+    (Triton's default for atomic_add) are not counted as the release: they would hide a release
+    lowered to relaxed, the Triton-upgrade regression this guard exists for."""
+    release = strong_poll = cg_load = False
     cta_scoped: list[str] = []
     for raw in ptx.splitlines():
         line = raw.strip()
@@ -237,24 +238,24 @@ def check_ptx_sync(ptx: str) -> list[str]:
             continue
         op = line.split(None, 1)[0].rstrip(";")
         parts = op.split(".")
-        if parts[0] == "membar":
-            acquire |= len(parts) > 1 and parts[1] in ("gl", "sys")
-            continue
-        is_acq = (parts[0] == "fence" and any(p in parts for p in ("acquire", "acq_rel", "sc"))) or (
-            parts[0] in ("ld", "atom") and "acquire" in parts)
         is_rel = parts[0] in ("red", "atom", "st") and "release" in parts
-        if (is_acq or is_rel) and "cta" in parts:
+        is_poll = parts[0] == "ld" and any(p in parts for p in ("relaxed", "acquire", "volatile")) and (
+            "cta" not in parts)
+        if (is_rel or (parts[0] in ("ld", "atom", "fence") and "acquire" in parts)) and "cta" in parts:
             cta_scoped.append(op)
             continue
-        acquire |= is_acq
         release |= is_rel
+        strong_poll |= is_poll
+        cg_load |= parts[0] == "ld" and "global" in parts and "cg" in parts
     problems = []
-    if not acquire:
-        problems.append("no acquire at gpu/sys scope (ld.acquire, atom.acquire, fence.acquire/acq_rel/sc): "
-                        "waiting CTAs may read a producer's data before it is visible")
     if not release:
         problems.append("no release atomic at gpu/sys scope (red/atom/st .release): "
                         "a signal may become visible before the data it publishes")
+    if not strong_poll:
+        problems.append("no strong poll at gpu/sys scope (ld.relaxed.gpu / ld.acquire): a waiting CTA "
+                        "may spin on a stale copy of an event")
+    if not cg_load:
+        problems.append("no .cg loads: activations written by other CTAs could be read through a stale L1")
     if cta_scoped:
         problems.append(f"CTA-scoped ordering does not synchronise across CTAs: {', '.join(sorted(set(cta_scoped)))}")
     return problems
@@ -317,6 +318,11 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
                        + "; ".join(s for s in (missing and f"missing {', '.join(missing)}",
                                                extra and f"unknown {', '.join(extra)}") if s))
     params = [{"name": a, "type": t} for a, t in full.items() if t != "constexpr"] + list(_HIDDEN_PARAMS)
+    # Every pointer parameter is 16-byte aligned (the executors allocate each arena on its own, and
+    # the driver aligns allocations to 256 bytes): saying so lets Triton emit 128-bit loads, which
+    # Triton's own launcher would have found by checking the pointers at run time.
+    aligned = {(arg_names.index(a),): [["tt.divisibility", 16]] for a, t in full.items()
+               if t is not None and t.startswith("*")}
 
     kernels = []
     for cc in req["ccs"]:
@@ -326,7 +332,7 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
         try:
             with contextlib.redirect_stdout(log):  # ptxas -v log (TRITON_DUMP_PTXAS_LOG) and failure dumps
                 ck = triton.compile(
-                    ASTSource(fn, full, constexprs=consts), target=GPUTarget("cuda", cc, 32),
+                    ASTSource(fn, full, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", cc, 32),
                     options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]},
                 )
         except CompilationError as e:

@@ -1,12 +1,15 @@
 """Renders the megakernel's Triton source from `templates/megakernel.py.jinja`.
 
 The dispatch chain holds only the op kinds the program uses, so a model without split-KV (or the
-CPU target) does not carry the combine body's registers. The source is a real `.py` file because
-Triton reads kernels with `inspect`.
+CPU target) does not carry the combine body's registers. Every model dimension is known here, so
+the matrix-vector product (a decode step's whole weight stream) gets one body per row length K
+the model has (`GemvBody`): unrolled, unmasked along K, with a chosen number of weight chunks in
+flight. The source is a real `.py` file because Triton reads kernels with `inspect`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +26,8 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 # How the loop calls each op body (the names are the kernel's locals).
 _CALLS = {
     fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, A, d, T, past, BLOCK_T, BLOCK_E)",
-    fmt.OP_LINEAR: "op_linear(DI, DF, CTRL, W, P, A, d, a, b, c, T, BLOCK_N, BLOCK_K, BLOCK_KD, BLOCK_T, DOT_PRECISION)",
+    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
+                   "                      BLOCK_T, DOT_PRECISION, DEBUG)",
     fmt.OP_CACHE_APPEND: "op_cache_append(DI, P, A, d, a, T, past, BLOCK_T, HEAD_P2)",
     fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
     fmt.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
@@ -34,10 +38,109 @@ _CALLS = {
 DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
 
 
+# Weight bytes one program keeps in flight in a matrix-vector product. Little's law on an H200:
+# ~4.3 TB/s x ~0.7 us over 132 SMs is ~22 KB per SM; the A10 (0.6 TB/s, 72 SMs) needs less.
+PREFETCH_BYTES = 32 * 1024
+MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
+
+
 @dataclass(frozen=True)
 class _Kind:
     code: int
     call: str
+    waits_itself: bool = False  # the body waits for its inputs after requesting its weights
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Columns [lo, lo + size) of a row, and the weights that merge its statistics into the running
+    ones (Chan et al.: the mean moves by size / n, M2 gains delta^2 * prev * size / n)."""
+
+    i: int
+    lo: int
+    size: int
+
+    @property
+    def mean_w(self) -> float:
+        return self.size / (self.lo + self.size)
+
+    @property
+    def m2_w(self) -> float:
+        return self.lo * self.size / (self.lo + self.size)
+
+
+@dataclass(frozen=True)
+class GemvBody:
+    """A matrix-vector body specialized for one row length K, norm kind (0 none, 1 RMS, 2 Layer,
+    with or without a LayerNorm bias) and gate (one matrix or two)."""
+
+    k: int
+    norm: int
+    ln_bias: bool
+    gated: bool
+    chunks: tuple[Chunk, ...]
+    depth: int  # chunks in flight per stream
+    block_n: int
+    item: int  # bytes per weight
+
+    @property
+    def name(self) -> str:
+        return (f"_gemv_k{self.k}" + ("", "_rms", "_ln")[self.norm] + ("b" if self.ln_bias else "")
+                + ("_gated" if self.gated else ""))
+
+    @property
+    def sizes(self) -> str:
+        return " + ".join(str(c.size) for c in self.chunks)
+
+    @property
+    def distinct_sizes(self) -> list[int]:
+        return sorted({c.size for c in self.chunks})
+
+    @property
+    def inflight_kb(self) -> float:
+        return round(sum(c.size for c in self.chunks[:self.depth]) * self.block_n * self.item
+                     * (2 if self.gated else 1) / 1024, 1)
+
+
+def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
+    """K split greedily into power-of-two chunks of at most `max_chunk` columns (576 = 256 + 256 +
+    64); None when a piece would be under 32 columns (the masked generic body does those)."""
+    out, lo = [], 0
+    while lo < k:
+        size = min(max_chunk, 1 << ((k - lo).bit_length() - 1))
+        if size < 32:
+            return None
+        out.append(Chunk(len(out), lo, size))
+        lo += size
+    return tuple(out)
+
+
+def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, max_chunk: int = MAX_CHUNK,
+                prefetch_bytes: int = PREFETCH_BYTES) -> list[GemvBody]:
+    """One body per (K, norm, gate) of the programs' Linear ops whose K splits into chunks (see
+    chunk_plan; the rest use the masked generic body). `block_n` is the GPU tiling's block of
+    columns; `max_chunk` caps a chunk and `prefetch_bytes` the weights in flight (tests lower
+    both, so tiny models unroll into many chunks prefetched a few ahead)."""
+    item = 2 if weight_dtype == "bf16" else 4
+    shapes = set()
+    for p in programs:
+        for tasks in p.tables.values():
+            for t in tasks:
+                if t.op == fmt.OP_LINEAR:
+                    di = p.desc_int[t.desc]
+                    norm = int(di[10])
+                    shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0))
+    out = []
+    for k, norm, ln_bias, gated in sorted(shapes):
+        chunks = chunk_plan(k, max_chunk)
+        if chunks is None:
+            continue
+        depth, got = 0, 0
+        while depth < len(chunks) and got < prefetch_bytes:
+            got += chunks[depth].size * block_n * item * (2 if gated else 1)
+            depth += 1
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item))
+    return out
 
 
 def signature(weight_dtype: str) -> dict[str, str]:
@@ -47,12 +150,21 @@ def signature(weight_dtype: str) -> dict[str, str]:
             "W": w, "P": "*fp32", "A": "*fp32"}
 
 
-def render(p: Program, *, weight_dtype: str, version: str) -> str:
-    kinds = sorted({t.op for tasks in p.tables.values() for t in tasks})
+def render(programs: Program | Sequence[Program], *, weight_dtype: str, version: str,
+           gemv_block_n: int | None = None, max_chunk: int = MAX_CHUNK,
+           prefetch_bytes: int = PREFETCH_BYTES) -> str:
+    """One kernel source for every tiling in `programs` (its dispatch chain covers every op kind
+    any of them uses); `gemv_block_n` sizes the specialized matrix-vector bodies (default: the
+    widest BLOCK_N of a GPU-sized tiling, i.e. the last program's)."""
+    progs = [programs] if isinstance(programs, Program) else list(programs)
+    kinds = sorted({t.op for p in progs for tasks in p.tables.values() for t in tasks})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     return env.get_template("megakernel.py.jinja").render(
-        version=version, model=p.model, weight_dtype=weight_dtype, entry=ENTRY, c=consts,
-        wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS, op_kinds=[_Kind(k, _CALLS[k]) for k in kinds])
+        version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts,
+        wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS,
+        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR) for k in kinds],
+        gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
+                         prefetch_bytes))

@@ -130,7 +130,9 @@ def _emit(b: Build) -> None:
     from zlc.codegen.emit import render
 
     b.report("emit", "kernel.py")
-    b.kernel_source = render(_union_program(b.programs), weight_dtype=b.wdtype, version=__version__)
+    sizing = b.programs.get("gpu", b.programs["cpu"]).tiling.block_n  # the matrix-vector bodies fit the GPUs
+    b.kernel_source = render(list(b.programs.values()), weight_dtype=b.wdtype, version=__version__,
+                             gemv_block_n=sizing)
     (b.tmp / "kernel.py").write_text(b.kernel_source)
     assert b.lowered is not None
     _write_ir(b.tmp, b.lowered)
@@ -388,15 +390,6 @@ def _write_tables(root: Path, key: str, prog: Any, debug: bool) -> dict[str, Any
             "layout": {"a_size": prog.a_size, "ctrl_size": prog.ctrl_size(),
                        "counters_size": prog.counters_size(), "chunk": prog.tiling.chunk,
                        "logits": {"offset": lb.offset, "rows": lb.rows, "cols": lb.cols}}}
-
-
-def _union_program(programs: dict[str, Any]) -> Any:
-    """The program whose op kinds cover every tiling (one kernel source serves them all)."""
-    import copy
-
-    base = copy.copy(next(iter(programs.values())))
-    base.tables = {f"{k}.{m}": t for k, p in programs.items() for m, t in p.tables.items()}
-    return base
 
 
 def _write_ir(root: Path, lowered: Lowered) -> None:

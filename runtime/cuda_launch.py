@@ -182,6 +182,9 @@ class PackedParams:
         return dict(zip(self.names, (int(v) for v in self.values), strict=True))
 
 
+POINTER_ALIGN = 16  # what codegen/aot.py promises Triton about every pointer parameter
+
+
 def pack_params(params: Sequence[Mapping[str, Any]], pointers: Mapping[str, int]) -> PackedParams:
     """The manifest's `targets.<t>.params` (ordered; all pointers) filled from `pointers` by name.
 
@@ -205,6 +208,10 @@ def pack_params(params: Sequence[Mapping[str, Any]], pointers: Mapping[str, int]
     neg = [n for n, v in zip(names, values, strict=True) if v < 0 or v >= 1 << 64]
     if neg:
         raise CudaError(f"invalid pointer value for {', '.join(neg)}")
+    # The cubin was compiled for 16-byte aligned pointers (128-bit loads; codegen/aot.py).
+    odd = [f"{n} (0x{v:x})" for n, v in zip(names, values, strict=True) if v % POINTER_ALIGN]
+    if odd:
+        raise CudaError(f"kernel pointers must be {POINTER_ALIGN}-byte aligned: {', '.join(odd)}")
     return PackedParams(names, values)
 
 

@@ -32,12 +32,13 @@ def lower_model() -> Lower:
     return get
 
 
-def write_program_bundle(src: Path, dst: Path, program: Any) -> Path:
+def write_program_bundle(src: Path, dst: Path, program: Any, **render_kw: Any) -> Path:
     """Copies the bundle `src` to `dst` with its `cpu` tiling replaced by `program` (any tiling of
     the same decode graph): kernel.py re-rendered (the dispatch chain must hold every op kind the
     program uses, e.g. the split-KV combine), the task tables, constexprs, grid and arena layout
     (a_size, logits offset, counter sizes all depend on the tiling). Weights stay: their placement
-    does not depend on the tiling, which this checks."""
+    does not depend on the tiling, which this checks. `render_kw` goes to the emitter (e.g.
+    `max_chunk` to unroll tiny matrix-vector products into several chunks)."""
     from zlc.bundle import read_manifest, write_manifest
     from zlc.codegen.emit import render
     from zlc.codegen.shuffle import write_tables
@@ -47,7 +48,7 @@ def write_program_bundle(src: Path, dst: Path, program: Any) -> Path:
     if program.weights != man["weights"]["placement"]:
         raise ValueError("the program places weights differently from the bundle it is written into")
     (dst / man["kernel"]["source"]).write_text(
-        render(program, weight_dtype=man["dtype"]["weights"], version=man["zlc_version"]))
+        render(program, weight_dtype=man["dtype"]["weights"], version=man["zlc_version"], **render_kw))
     tl = man["tilings"]["cpu"]
     write_tables(dst / tl["tables"], program, program.tables)
     lb = program.buffers[program.logits]
@@ -64,5 +65,5 @@ def write_program_bundle(src: Path, dst: Path, program: Any) -> Path:
 
 
 @pytest.fixture(scope="session")
-def program_bundle() -> Callable[[Path, Path, Any], Path]:
+def program_bundle() -> Callable[..., Path]:
     return write_program_bundle

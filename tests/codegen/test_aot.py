@@ -18,7 +18,8 @@ from zlc.targets import TARGETS
 pytest.importorskip("triton")
 
 # A persistent-loop toy with the megakernel's protocol: tasks claimed with an atomic counter, a
-# dependency waited on with an acquire poll, completion signalled with a release add.
+# dependency waited on with a relaxed (strong) poll, data another CTA wrote read with .cg,
+# completion signalled with a release add.
 PERSISTENT = '''\
 import triton
 import triton.language as tl
@@ -26,7 +27,7 @@ import triton.language as tl
 
 @triton.jit
 def body(A, i):
-    x = tl.load(A + i)
+    x = tl.load(A + i, cache_modifier=".cg")
     tl.store(A + i, x * 2.0)
 
 
@@ -38,9 +39,9 @@ def mk(TASKS, CNT, A, n_tasks, DEBUG: tl.constexpr):
         w = tl.load(TASKS + t * 4 + 1)
         if w >= 0:
             if DEBUG:
-                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="acquire", timeout_ns=1000000)
+                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="relaxed", timeout_ns=1000000)
             else:
-                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="acquire")
+                ok = tl.atomic_poll(CNT + 1 + w, 1, sem="relaxed")
         if op == 0:
             body(A, t)
         elif op == 1:
@@ -134,10 +135,12 @@ def test_ptx_sync_guard(built: tuple[list[AotResult], list[str]]) -> None:
         assert check_ptx_sync(r.ptx) == []
         no_release = "\n".join(ln for ln in r.ptx.splitlines() if ".release" not in ln)
         assert [p for p in check_ptx_sync(no_release) if "release" in p]
-        # sm_90 waits with fence.acquire, sm_86 with fence.acq_rel (its PTX has no fence.acquire)
-        no_acquire = re.sub(r"fence\.(acquire|acq_rel)\.gpu", "fence.sc.cta", r.ptx)
-        problems = check_ptx_sync(no_acquire)
-        assert any("acquire" in p for p in problems) and any("CTA-scoped" in p for p in problems)
+        weak_poll = re.sub(r"ld\.relaxed\.gpu", "ld", r.ptx)
+        assert [p for p in check_ptx_sync(weak_poll) if "strong poll" in p]
+        no_cg = re.sub(r"\.cg\b", "", r.ptx)
+        assert [p for p in check_ptx_sync(no_cg) if ".cg" in p]
+        cta = re.sub(r"\.release\.gpu|\.gpu\.release", ".release.cta", r.ptx)
+        assert any("CTA-scoped" in p for p in check_ptx_sync(cta))
 
 
 def test_compile_error_names_kernel_and_line(tmp_path: Path) -> None:

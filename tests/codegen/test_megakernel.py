@@ -157,6 +157,31 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
     assert_matches(r)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "gemma"])
+def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bundle: Any, work: Path,
+                                       name: str) -> None:
+    """The decode matrix-vector bodies specialized per row length (emit.GemvBody: weights and norm
+    gains requested before the wait, chunks prefetched ahead, RMSNorm folded into the product,
+    LayerNorm statistics merged chunk by chunk) on the GPU tiling's shape of work: one block of
+    columns per task, and rows unrolled into 32-column chunks so every body runs several chunks
+    with loads in flight ahead (llama: RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh
+    gate)."""
+    from zlc.codegen.emit import gemv_bodies
+
+    b = built(name)
+    t = replace(tiling_for(get_target("cpu"), 64), block_n=16, max_linear_tasks=0)
+    p = b.program(t)
+    small = {"max_chunk": 32, "prefetch_bytes": 2 * t.block_n * 32 * 4}  # two fp32 chunks in flight
+    bodies = gemv_bodies([p], "fp32", t.block_n, **small)
+    assert bodies and all(len(g.chunks) >= 2 for g in bodies)
+    assert any(g.depth < len(g.chunks) for g in bodies), "some body must prefetch ahead, not all at once"
+    assert {g.norm for g in bodies} >= ({1} if name != "gpt2" else {2})
+    path = program_bundle(b.path, work / f"{name}-gemv.zlc", p, **small)
+    assert all(g.name in (path / "kernel.py").read_text() for g in bodies)
+    with b.session(path) as s:
+        assert_matches(run_both(s, b.lowered, PROMPT, steps=3))
+
+
 # ---- task orders ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
