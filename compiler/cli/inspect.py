@@ -43,14 +43,26 @@ if TYPE_CHECKING:
 @click.option("--tasks", "show_tasks", is_flag=True, help="BUNDLE: print the task table (decode; "
               "--prefill for prefill) of the cpu tiling, or --tiling gpu.")
 @click.option("--tiling", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest.")
+@click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest (with --kernel: the report).")
 @click.option("--target", "targets", multiple=True, metavar="NAME",
-              help="With a compile stage for --after: the targets to compile for (default: cpu).")
+              help="With a compile stage for --after: the targets to compile for (default: cpu). "
+                   "With --kernel: the GPU targets to report (default: every cubin).")
+@click.option("--kernel", "show_kernel", is_flag=True,
+              help="BUNDLE: facts of each GPU target's megakernel machine code (SASS) and task tables, and "
+                   "the predicted µs per decode token (docs/kernel-model.md).")
+@click.option("--context", type=int, default=None, metavar="N",
+              help="With --kernel: tokens of KV cache for the decode prediction (default: max_seq).")
 @MAX_SEQ
 def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats: bool, explain: bool,
-            show_tasks: bool, tiling: str, as_json: bool, targets: tuple[str, ...], max_seq: int | None) -> None:
+            show_tasks: bool, tiling: str, as_json: bool, targets: tuple[str, ...], show_kernel: bool,
+            context: int | None, max_seq: int | None) -> None:
     """Lower MODEL and show what the compiler did (without flags: the stage statistics), or show a
     compiled BUNDLE: model, tasks per step, per-target registers/spills and roofline."""
+    if show_kernel:
+        if not model.is_dir():
+            raise ZlcError(f"--kernel reads a compiled bundle; {model} is not one (run `zlc compile` first)")
+        _inspect_kernel(model, list(targets) or None, context, as_json)
+        return
     if model.is_dir():
         _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
                         show_ir)
@@ -137,6 +149,19 @@ def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_jso
         t.add_row(str(i), OP_NAMES[task["op"]], escape(task["label"]),
                   " ".join(f"{e}={n}" for e, n in task["waits"]), sig)
     out_console().print(t)
+
+
+def _inspect_kernel(path: Path, targets: list[str] | None, context: int | None, as_json: bool) -> None:
+    """`--kernel`: the machine-code facts and the latency prediction (zlc.codegen.kernel_model)."""
+    from zlc.codegen.kernel_model import bundle_report, rich_tables
+
+    rep = bundle_report(path, targets=targets, context=context)  # errors are ZlcErrors: one line
+    if as_json:
+        click.echo(json.dumps(rep, indent=1))
+        return
+    out = out_console()
+    for item in rich_tables(rep):
+        out.print(item)
 
 
 def _dumped_graph(lowered: Lowered, after: str | None, prefill: bool) -> Graph:

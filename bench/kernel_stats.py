@@ -1,0 +1,108 @@
+"""Megakernel machine-code facts and the predicted decode latency, per model and GPU target.
+
+    python bench/kernel_stats.py                       # build (or reuse) SmolLM2-135M and the Llama-1B shape
+    python bench/kernel_stats.py --bundle X.zlc ...    # or read bundles made elsewhere
+    python bench/kernel_stats.py --json | --markdown   # machine-readable / the docs table
+
+Bundles are the shape-faithful random-weight models of `bench/device_bench.py` (`Config`, `MODELS`,
+its plain-torch `Llama`), compiled here with `zlc.compile(module, ...)` for a10 (sm_86) and h200
+(sm_90) with max_seq 512, once into --cache (default ~/.cache/zlc/kernel-stats/<model>.zlc; the
+weights file is dropped: the facts need the manifest, kernel.py, tables and cubins only). SmolLM2
+takes ~30 s to compile on a 2-core machine, the Llama-1B shape ~4.5 min and ~12 GB of memory.
+Everything printed comes from the cubins and the task tables (`zlc.codegen.kernel_stats`,
+`kernel_tables`) and the latency model with its stated ranges (`zlc.codegen.kernel_model`,
+docs/kernel-model.md); no GPU is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+DEFAULT_MODELS = ("smollm2-135m", "llama-1b-shape")
+TARGETS = ("a10", "h200")
+MAX_SEQ = 512
+
+
+def build(name: str, cache: Path, targets: tuple[str, ...], max_seq: int, force: bool = False) -> Path:
+    """The model's bundle for `targets` in `cache` (compiled unless a matching one is there)."""
+    import shutil
+
+    import torch
+    from device_bench import SEED, Config, Llama, init_weights  # the bench's model definitions
+
+    import zlc
+
+    out = cache / f"{name}.zlc"
+    man = out / "manifest.json"
+    if man.exists() and not force:
+        m = json.loads(man.read_text())
+        if set(targets) <= set(m.get("targets", {})) and m["model"]["max_seq"] == max_seq \
+                and m.get("zlc_version") == zlc.__version__:
+            return out
+    cfg = Config.named(name)
+    torch.manual_seed(SEED)
+    model = Llama(cfg)
+    init_weights(model, SEED, "cpu")
+    model.eval()
+    example = (torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(SEED)),)
+    if out.exists():
+        shutil.rmtree(out)
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = zlc.compile(model, example_inputs=example, targets=list(targets), out=out, max_seq=max_seq,
+                      dtype="bf16", name=name, verify=False,
+                      progress=lambda st, d: print(f"  [{name}] {st}: {d}", file=sys.stderr, flush=True))
+    del model
+    wfile = out / res.manifest["weights"]["file"]
+    wfile.unlink(missing_ok=True)  # 270 MB / 2.5 GB the facts do not need
+    print(f"  [{name}] compiled in {time.perf_counter() - t0:.0f} s -> {out}", file=sys.stderr)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS), help="bench models to build")
+    ap.add_argument("--bundle", type=Path, action="append", default=[], help="read this bundle instead")
+    ap.add_argument("--target", dest="targets", action="append", default=None,
+                    help=f"GPU targets (default: {', '.join(TARGETS)})")
+    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("ZLC_CACHE_DIR", Path.home() / ".cache" / "zlc"))
+                    / "kernel-stats")
+    ap.add_argument("--max-seq", type=int, default=MAX_SEQ)
+    ap.add_argument("--context", type=int, default=None, help="decode context for the prediction (default max_seq)")
+    ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    a = ap.parse_args()
+    targets = tuple(a.targets or TARGETS)
+    bundles = list(a.bundle) or [build(m, a.cache, targets, a.max_seq, a.rebuild) for m in a.models]
+    if a.build_only:
+        return 0
+    from zlc.codegen.kernel_model import bundle_report, render_markdown, render_text
+
+    reports = [bundle_report(b, targets=[t for t in targets if t in _gpu_targets(b)] or None, context=a.context)
+               for b in bundles]
+    if a.json:
+        print(json.dumps(reports, indent=1))
+    elif a.markdown:
+        print(render_markdown(reports, command=" ".join(["python bench/kernel_stats.py", *sys.argv[1:]])))
+    else:
+        for r in reports:
+            print(render_text(r))
+    return 0
+
+
+def _gpu_targets(bundle: Path) -> list[str]:
+    man = json.loads((bundle / "manifest.json").read_text())
+    return [t for t, i in man["targets"].items() if "cubin" in i]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
