@@ -27,11 +27,16 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 _CALLS = {
     fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, A, d, T, past, BLOCK_T, BLOCK_E)",
     fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
-                   "                      BLOCK_T, DOT_PRECISION, DEBUG)",
+                   "                      BLOCK_T, DOT_PRECISION, KV_SPLITS, DEBUG, STEP)",
     fmt.OP_CACHE_APPEND: "op_cache_append(DI, P, A, d, a, T, past, BLOCK_T, HEAD_P2)",
     fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
     fmt.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
     fmt.OP_ARGMAX: "op_argmax(DI, CTRL, A, d, BLOCK_K)",
+}
+
+# The decode kernel's own bodies (STEP == MODE_DECODE: one query row; docs/megakernel.md, "Two kernels").
+_DECODE_CALLS = {
+    fmt.OP_ATTENTION: "op_attention_row(DI, DF, P, A, d, a, c, past, BLOCK_KV, HEAD_P2, KV_SPLITS)",
 }
 
 # A debug build's waits give up after this long and raise the error flag instead of hanging.
@@ -49,6 +54,7 @@ class _Kind:
     code: int
     call: str
     waits_itself: bool = False  # the body waits for its inputs after requesting its weights
+    decode_call: str = ""  # the decode kernel's body instead, when it has its own
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class GemvBody:
 
     @property
     def name(self) -> str:
-        return (f"_gemv_k{self.k}" + ("", "_rms", "_ln")[self.norm] + ("b" if self.ln_bias else "")
+        return (f"_gemv_k{self.k}" + ("", "_rms", "_ln", "_merged")[self.norm] + ("b" if self.ln_bias else "")
                 + ("_gated" if self.gated else ""))
 
     @property
@@ -165,6 +171,7 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     return env.get_template("megakernel.py.jinja").render(
         version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts,
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS,
-        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR) for k in kinds],
+        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""))
+                  for k in kinds],
         gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
                          prefetch_bytes))

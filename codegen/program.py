@@ -24,6 +24,7 @@ from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_NAME
 
 # ---- norm and activation codes (descriptor fields) -----------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
+NORM_COMBINE = 3  # not a norm: the input row is merged from split-KV attention partials
 ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = 0, 1, 2
 
@@ -93,6 +94,9 @@ class Tiling:
     num_warps: int
     grid: int  # persistent programs (SMs on a GPU)
     dot_precision: str = "ieee"  # prefill tl.dot: exact f32 in the interpreter, "tf32x3" on GPUs
+    # Fusions that remove dependency levels (the GPU tiling's; docs/megakernel.md, "Fusion"):
+    fuse_kv_append: bool = False  # attention reads the step's k/v from the projections; no append op
+    fuse_combine: bool = False  # split-KV partials merged where the output projection loads its row
 
     def constexprs(self) -> dict[str, int | str]:
         return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "BLOCK_KD": self.block_kd, "BLOCK_T": self.block_t,
@@ -121,6 +125,8 @@ class Program:
     weights: list[dict[str, Any]] = field(default_factory=list)  # arena placement of each constant
 
     def constexprs(self, debug: bool = False) -> dict[str, int | str]:
+        """The kernel's constexprs but STEP: the mode of the launch, which picks one of the two
+        kernels the source compiles into (STEP = MODE_PREFILL or MODE_DECODE)."""
         c = self.tiling.constexprs()
         c["HEAD_P2"] = max(16, 1 << (self.head_dim - 1).bit_length())
         c["DEBUG"] = int(debug)

@@ -36,12 +36,14 @@ def tiling_for(target: Any, max_seq: int) -> Tiling:
     if not getattr(target, "is_gpu", False):
         return Tiling(block_n=128, block_k=1024, block_kd=1024, block_t=32, block_kv=64, block_e=1024,
                       max_linear_tasks=2, kv_splits=1, chunk=min(64, max_seq), num_warps=1, grid=2)
+    # Split-KV: up to 8 splits of >= 64 keys. The output projection merges the partials as it loads
+    # its row (fuse_combine), so a split costs a task of the attention level, not a level.
     splits = 1
-    while splits < 8 and max_seq // (splits * 2) >= 256:
+    while splits < 8 and max_seq // (splits * 2) >= 64:
         splits *= 2
     return Tiling(block_n=32, block_k=64, block_kd=32, block_t=16, block_kv=32, block_e=256, max_linear_tasks=0,
                   kv_splits=splits, chunk=min(128, max_seq), num_warps=8, grid=target.sms,
-                  dot_precision="tf32x3")
+                  dot_precision="tf32x3", fuse_kv_append=True, fuse_combine=True)
 
 
 # ---- events ------------------------------------------------------------------------------------

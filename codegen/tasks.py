@@ -36,6 +36,7 @@ from zlc.ir import Graph, Node, Value
 from .pack import Layout
 from .program import (
     ACTIVATIONS,
+    NORM_COMBINE,
     NORM_LAYER,
     NORM_NONE,
     NORM_RMS,
@@ -91,6 +92,9 @@ class Heads:  # [1, H, T, D] view of a [T, H*D] buffer
 @dataclass
 class AttnOut:  # attention output, [T, H*D] once merged
     buf: Buf
+    partials: Buf | None = None  # decode with split-KV and fuse_combine: merged where it is read
+    splits: int = 1
+    head_dim: int = 0
 
 
 @dataclass
@@ -164,6 +168,9 @@ class TaskBuilder:
     def buf(self, v: Value | None, node: Node) -> Buf:
         x = self.view(v, node)
         if isinstance(x, AttnOut):
+            if x.partials is not None:
+                raise ScheduleError(f"node '{node.name}' ({node.op}) reads an attention output that only "
+                                    "exists as split-KV partials in decode (only a Linear merges them)")
             return x.buf
         if not isinstance(x, Buf):
             raise ScheduleError(f"node '{node.name}' ({node.op}) needs a plain activation input, "
@@ -211,17 +218,38 @@ class TaskBuilder:
             7: self.buffers[residual.name].offset if residual else -1,
             8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
             14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps})
-        tasks = []
-        for slot, (lo, hi) in enumerate(ranges):
-            reads = [Region(src.name, 0, src.cols)]
-            if residual is not None:
-                reads.append(Region(residual.name, lo, hi))
-            writes = [Region(out.name, lo, hi)]
-            if partials is not None:
-                writes.append(Region(partials.name, slot, slot + 1))
-            tasks.append(Task(OP_LINEAR, d, lo, hi, slot, reads=reads, writes=writes,
-                              label=f"{label}[{lo}:{hi}]"))
-        self.add_op(label, tasks)
+        # Decode after split-KV attention with fuse_combine: the row is merged from the attention
+        # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
+        # size), so no combine op stands between attention and this projection.
+        merged = isinstance(x, AttnOut) and x.partials is not None
+        if merged:
+            assert isinstance(x, AttnOut) and x.partials is not None
+            d_dec = self.desc(label + ".merged", {
+                0: self.buffers[x.partials.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node),
+                5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
+                7: self.buffers[residual.name].offset if residual else -1,
+                8: self.buffers[out.name].offset, 9: out.cols, 10: NORM_COMBINE, 11: x.splits, 12: x.head_dim,
+                13: ACTIVATIONS[act], 14: int(lm), 15: self.buffers[partials.name].offset if partials else -1},
+                {0: eps})
+
+        def tasks_for(mode: str) -> list[Task]:
+            out_tasks = []
+            for slot, (lo, hi) in enumerate(ranges):
+                if merged and mode == "decode":
+                    assert isinstance(x, AttnOut) and x.partials is not None
+                    reads = [Region(x.partials.name, 0, x.partials.cols)]
+                else:
+                    reads = [Region(src.name, 0, src.cols)]
+                if residual is not None:
+                    reads.append(Region(residual.name, lo, hi))
+                writes = [Region(out.name, lo, hi)]
+                if partials is not None:
+                    writes.append(Region(partials.name, slot, slot + 1))
+                out_tasks.append(Task(OP_LINEAR, d_dec if merged and mode == "decode" else d, lo, hi, slot,
+                                      reads=reads, writes=writes, label=f"{label}[{lo}:{hi}]"))
+            return out_tasks
+
+        self.add_op(label, {"prefill": tasks_for("prefill"), "decode": tasks_for("decode")})
         if lm:
             assert partials is not None
             self.lm_partials = partials
@@ -402,15 +430,21 @@ class TaskBuilder:
         ck = self.buffer(f"cache.{layer}.key", D, rows=hkv * self.max_seq)
         cv = self.buffer(f"cache.{layer}.value", D, rows=hkv * self.max_seq)
         kr = k.rope or rope
-        d_app = self.desc(f"{n.name}.cache_append", {
-            0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
-            3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
-            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
-        self.add_op(f"{n.name}.cache_append", [
-            Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
-                                                   Region(v.buf.name, h * D, (h + 1) * D)],
-                 writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
-                 label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)])
+        t = self.t
+        fused = t.fuse_kv_append
+        if fused and k.rope is not None and q.rope is not None and k.rope != q.rope:
+            raise ScheduleError(f"node '{n.name}' (Attention): q and k rotate differently; the fused "
+                                "attention rotates the step's keys with q's tables")
+        if not fused:
+            d_app = self.desc(f"{n.name}.cache_append", {
+                0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
+                3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
+                7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
+            self.add_op(f"{n.name}.cache_append", [
+                Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
+                                                       Region(v.buf.name, h * D, (h + 1) * D)],
+                     writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
+                     label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)])
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
         floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0)}
@@ -420,25 +454,41 @@ class TaskBuilder:
                 0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
                 3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
                 7: rope.kind, 8: rope.cos, 9: rope.sin, 10: rope.half, 11: rope.rot,
-                12: self.max_seq * D, 13: hq // hkv, 14: partial, 15: split_len}, floats)
+                12: self.max_seq * D, 13: hq // hkv, 14: partial, 15: split_len,
+                # fused append: the step's keys and values, read from the projections (k rotated
+                # on load); the first q head of each KV group writes them into the cache
+                16: self.buffers[k.buf.name].offset if fused else -1, 17: k.buf.cols,
+                18: self.buffers[v.buf.name].offset if fused else -1, 19: v.buf.cols}, floats)
 
         def reads(h: int) -> list[Region]:
             g = h // (hq // hkv)
+            if fused:  # the cache's earlier rows (no writer in this launch) and this step's k, v
+                return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
+                        Region(cv.name, g, g + 1), Region(k.buf.name, g * D, (g + 1) * D),
+                        Region(v.buf.name, g * D, (g + 1) * D)]
             return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
                     Region(cv.name, g, g + 1)]
 
-        t = self.t
+        def appends(h: int, owner: bool) -> list[Region]:
+            """The cache rows of this step, which the group's first head writes (nobody in this
+            launch reads them: a separate region, so the earlier rows' readers do not wait)."""
+            g = h // (hq // hkv)
+            if not (fused and owner and h % (hq // hkv) == 0):
+                return []
+            return [Region(ck.name + ":step", g, g + 1), Region(cv.name + ":step", g, g + 1)]
+
         d_pre = attn_desc("prefill", -1, self.max_seq)
         nqb = -(-t.chunk // t.block_t)
         prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h),
-                        writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t)],
+                        writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t),
+                                *appends(h, qb == 0)],
                         label=f"{n.name}.attention[h{h},q{qb}]")
                    for h in range(hq) for qb in range(nqb)]
         S = t.kv_splits
         if S <= 1:
             d_dec = attn_desc("decode", -1, self.max_seq)
             decode = [Task(OP_ATTENTION, d_dec, h, 0, 0, reads=reads(h),
-                           writes=[Region(out.name, h * D, (h + 1) * D)],
+                           writes=[Region(out.name, h * D, (h + 1) * D), *appends(h, True)],
                            label=f"{n.name}.attention[h{h}]") for h in range(hq)]
             self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
         else:
@@ -446,10 +496,17 @@ class TaskBuilder:
             split_len += (-split_len) % t.block_kv
             part = self.buffer(f"{n.name}.partials", hq * S * (D + 2), rows=1)
             d_dec = attn_desc("decode", self.buffers[part.name].offset, split_len)
+            # the split holding this step's key appends it (which split that is depends on past:
+            # every split of the group's first head may, so each declares the write; the kernel
+            # writes from the one whose range holds `past`)
             decode = [Task(OP_ATTENTION, d_dec, h, 0, s, reads=reads(h),
-                           writes=[Region(part.name, h * S + s, h * S + s + 1)],
+                           writes=[Region(part.name, h * S + s, h * S + s + 1),
+                                   *[Region(r.buffer, r.lo, r.hi, s, s + 1) for r in appends(h, True)]],
                            label=f"{n.name}.attention[h{h},s{s}]") for h in range(hq) for s in range(S)]
             self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
+            if t.fuse_combine:
+                self.views[id(n.output)] = AttnOut(out, part, S, D)
+                return
             d_comb = self.desc(f"{n.name}.combine", {0: self.buffers[part.name].offset,
                                                      1: self.buffers[out.name].offset, 2: out.cols, 3: D, 4: S})
             self.add_op(f"{n.name}.combine", {"prefill": [], "decode": [
@@ -462,4 +519,5 @@ class TaskBuilder:
         x = self.view(n.inputs[0], n)
         if not isinstance(x, AttnOut):
             raise ScheduleError(f"node '{n.name}' (MergeHeads): input must be an attention output")
-        self.views[id(n.output)] = x.buf
+        # with merged partials the view stays an AttnOut: only a Linear can merge them on load
+        self.views[id(n.output)] = x if x.partials is not None else x.buf

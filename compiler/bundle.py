@@ -39,7 +39,7 @@ OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "arg
 # ---- table geometry --------------------------------------------------------------------------
 TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad
 MAX_WAITS = 3
-DESC_WORDS = 16  # int64 fields per descriptor
+DESC_WORDS = 24  # int64 fields per descriptor
 DESC_FLOATS = 4  # f32 fields per descriptor
 HEADER_WORDS = 16  # TASKS[0:16]: n_prefill, base_prefill, n_decode, base_decode, n_events, ...
 
@@ -56,7 +56,9 @@ CNT_EVENTS = 16  # event e lives at CNT[16 + e]
 # ---- files ----------------------------------------------------------------------------------
 
 FORMAT = "zlc-bundle"
-FORMAT_VERSION = 1
+# 2: two kernels per GPU target (targets.<t> is the decode kernel, targets.<t>.prefill the
+# prefill one), descriptors of DESC_WORDS = 24
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 

@@ -151,26 +151,36 @@ def _weights(b: Build) -> None:
 def _aot(b: Build) -> None:
     gpu_targets = [t for t in b.targets if t.is_gpu]
     if gpu_targets:
+        from zlc.bundle import MODE_DECODE, MODE_PREFILL
         from zlc.codegen.aot import check_ptx_sync, compile_kernel
         from zlc.codegen.emit import ENTRY, signature
 
         gp = b.programs["gpu"]
-        b.report("aot", f"{', '.join(t.name for t in gpu_targets)} (ptxas)")
-        results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), gp.constexprs(debug=b.debug_waits),
-                                 gpu_targets, num_warps=gp.tiling.num_warps,
-                                 on_progress=lambda s: b.report("aot", s))
         (b.tmp / "kernels").mkdir()
-        for r in results:
-            problems = check_ptx_sync(r.ptx)
-            if problems:
-                raise ZlcError(f"{r.target}: the PTX lacks the memory ordering the megakernel relies on: "
-                               f"{'; '.join(problems)} (a Triton upgrade changed its lowering?)")
-            (b.tmp / "kernels" / f"{r.target}.cubin").write_bytes(r.cubin)
-            (b.tmp / "kernels" / f"{r.target}.ptx").write_text(r.ptx)
-            b.target_info[r.target] = {"arch": r.arch, "tiling": "gpu", "grid": get_target(r.target).sms,
-                                       "cubin": f"kernels/{r.target}.cubin", "ptx": f"kernels/{r.target}.ptx",
-                                       "metadata": r.metadata, "params": r.params,
-                                       "resources": asdict(r.resources), "compile_seconds": round(r.seconds, 3)}
+        # Two kernels from the one source, per target: STEP picks the prefill or the decode bodies,
+        # so neither carries the other's registers (docs/megakernel.md, "Two kernels").
+        built: dict[str, dict[str, Any]] = {}
+        for step, suffix in ((MODE_DECODE, ""), (MODE_PREFILL, ".prefill")):
+            kind = "decode" if step == MODE_DECODE else "prefill"
+            b.report("aot", f"{kind} kernel: {', '.join(t.name for t in gpu_targets)} (ptxas)")
+            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype),
+                                     dict(gp.constexprs(debug=b.debug_waits), STEP=step), gpu_targets,
+                                     num_warps=gp.tiling.num_warps, on_progress=lambda s: b.report("aot", s))
+            for r in results:
+                problems = check_ptx_sync(r.ptx)
+                if problems:
+                    raise ZlcError(f"{r.target} ({kind} kernel): the PTX lacks the memory ordering the megakernel "
+                                   f"relies on: {'; '.join(problems)} (a Triton upgrade changed its lowering?)")
+                (b.tmp / "kernels" / f"{r.target}{suffix}.cubin").write_bytes(r.cubin)
+                (b.tmp / "kernels" / f"{r.target}{suffix}.ptx").write_text(r.ptx)
+                built.setdefault(r.target, {})[kind] = {
+                    "cubin": f"kernels/{r.target}{suffix}.cubin", "ptx": f"kernels/{r.target}{suffix}.ptx",
+                    "metadata": r.metadata, "params": r.params, "resources": asdict(r.resources),
+                    "compile_seconds": round(r.seconds, 3), "arch": r.arch}
+        for name, kinds in built.items():
+            dec = kinds["decode"]  # the target's own fields: the decode kernel, what a step runs
+            b.target_info[name] = {"arch": dec.pop("arch"), "tiling": "gpu", "grid": get_target(name).sms, **dec,
+                                   "prefill": {k: v for k, v in kinds["prefill"].items() if k != "arch"}}
     assert b.lowered is not None
     for tg in b.targets:
         info = b.target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu",

@@ -107,11 +107,14 @@ class CudaBackend:
         elif not cubin_runs_on(str(man.get("targets", {}).get(target, {}).get("arch", "")), self.info.cc):
             arch = man.get("targets", {}).get(target, {}).get("arch", "no cubin")
             raise CudaError(f"target '{target}' ({arch}) does not run on this GPU (sm_{self.info.cc}, {self.info.name})")
+        # Two kernels of one source: the decode kernel (the target's own fields) and the prefill one.
         self.config = cfg = LaunchConfig.from_manifest(man, target, sms=self.info.sms)
+        self.prefill_config = pcfg = LaunchConfig.from_manifest(man, target, sms=self.info.sms, kernel="prefill")
         tiling = man["tilings"][man["targets"][target]["tiling"]]
         self.layout = lay = tiling["layout"]
         self.chunk = int(lay["chunk"])
         self.fn = drv.load_function((self.bundle / cfg.cubin).read_bytes(), cfg.function, cfg.shared)
+        self.prefill_fn = drv.load_function((self.bundle / pcfg.cubin).read_bytes(), pcfg.function, pcfg.shared)
 
         ptr: dict[str, int] = {}
         tables = read_safetensors(self.bundle / tiling["tables"])
@@ -129,11 +132,9 @@ class CudaBackend:
         self.ctrl = _i32_view(host, self.ctrl_words)
         self.ctrl[:] = 0
         ptr["CTRL"] = dev if self.mapped else self._alloc(4 * self.ctrl_words)
-        for name, sc in (("global_scratch", cfg.global_scratch), ("profile_scratch", cfg.profile_scratch)):
-            nbytes = sc.nbytes(cfg.grid, cfg.num_ctas)
-            ptr[name] = align_up(self._alloc(nbytes + sc.align), sc.align) if nbytes else 0
         self.pointers = ptr
-        self.params = pack_params(cfg.params, ptr)
+        self.params = pack_params(cfg.params, dict(ptr, **self._scratch(cfg)))
+        self.prefill_params = pack_params(pcfg.params, dict(ptr, **self._scratch(pcfg)))
         lg = lay["logits"]
         self.logits_offset, self.logits_rows, self.logits_cols = int(lg["offset"]), int(lg["rows"]), int(lg["cols"])
         out_host, _ = drv.host_alloc(4 * self.logits_rows * self.logits_cols, mapped=False)
@@ -146,6 +147,14 @@ class CudaBackend:
         self._stream = drv.stream()
 
     # -- memory helpers
+    def _scratch(self, cfg: LaunchConfig) -> dict[str, int]:
+        """Triton's hidden scratch buffers of one kernel (each kernel gets its own)."""
+        out = {}
+        for name, sc in (("global_scratch", cfg.global_scratch), ("profile_scratch", cfg.profile_scratch)):
+            nbytes = sc.nbytes(cfg.grid, cfg.num_ctas)
+            out[name] = align_up(self._alloc(nbytes + sc.align), sc.align) if nbytes else 0
+        return out
+
     def _alloc(self, nbytes: int) -> int:
         p = self.drv.alloc(nbytes)
         self._ptrs.append(p)
@@ -193,9 +202,12 @@ class CudaBackend:
         if not self.mapped:
             self.drv.dtoh(_host_address(self.ctrl), self.pointers["CTRL"], 4 * fmt.CTRL_TOKENS + 4, self._stream)
 
-    def _launch_kernel(self) -> None:
-        cfg = self.config
-        self.drv.launch(self.fn, cfg.grid, cfg.block, cfg.shared, self._stream, self.params.address)
+    def _launch_kernel(self, mode: int = fmt.MODE_DECODE) -> None:
+        if mode == fmt.MODE_DECODE:
+            fn, cfg, params = self.fn, self.config, self.params
+        else:
+            fn, cfg, params = self.prefill_fn, self.prefill_config, self.prefill_params
+        self.drv.launch(fn, cfg.grid, cfg.block, cfg.shared, self._stream, params.address)
 
     def _check(self) -> None:
         err = int(self.ctrl[fmt.CTRL_ERROR])
@@ -213,7 +225,7 @@ class CudaBackend:
                want_logits: bool) -> tuple[int, np.ndarray | None]:
         self.drv.activate()  # sessions may be driven from another thread than the one that opened them
         self._write_ctrl(mode, ids, past, all_logits, auto_advance=False)
-        self._launch_kernel()
+        self._launch_kernel(mode)
         self._read_ctrl_back()
         rows = 0
         if want_logits:

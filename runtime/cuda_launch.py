@@ -134,13 +134,20 @@ class LaunchConfig:
         return self.shared > self.DEFAULT_SHARED_LIMIT
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], target: str, *, sms: int | None = None) -> LaunchConfig:
-        """The launch of `targets.<target>`; `sms` (this GPU's SM count) replaces the target's grid:
-        the kernel completes for any grid >= 1, and one program per SM is what it is tuned for."""
-        t = manifest.get("targets", {}).get(target)
-        if t is None or not t.get("cubin"):
+    def from_manifest(cls, manifest: Mapping[str, Any], target: str, *, sms: int | None = None,
+                      kernel: str = "decode") -> LaunchConfig:
+        """The launch of `targets.<target>`'s decode kernel (its own fields) or prefill kernel (its
+        `prefill` entry); `sms` (this GPU's SM count) replaces the target's grid: the kernel
+        completes for any grid >= 1, and one program per SM is what it is tuned for."""
+        top = manifest.get("targets", {}).get(target)
+        if top is None or not top.get("cubin"):
             raise CudaError(f"the bundle has no GPU target '{target}' "
                             f"(GPU targets: {', '.join(gpu_targets(manifest)) or 'none'})")
+        if kernel not in ("decode", "prefill"):
+            raise ValueError(f"kernel must be decode or prefill, not {kernel!r}")
+        t = dict(top, **top.get("prefill", {})) if kernel == "prefill" else top
+        if kernel == "prefill" and "prefill" not in top:
+            raise CudaError(f"target '{target}' has no prefill kernel (a bundle of format 1? recompile it)")
         md = t["metadata"]
         if md.get("launch_cooperative_grid") or md.get("launch_pdl"):
             raise CudaError(f"target '{target}': the cubin asks for a cooperative/PDL launch, which this "

@@ -165,8 +165,9 @@ class _KernelState:
         c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST] = mode, len(ids), past
         c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_ERROR] = int(all_logits), 0
         c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        # STEP: the launch's mode picks the kernel (prefill or decode), as on a GPU
         self.fn[(self.grid,)](self.TASKS, self.DI, self.DF, self.CTRL, self.CNT, self.W, self.P, self.A,
-                              **self.constexprs)
+                              **self.constexprs, STEP=mode)
         if int(c[fmt.CTRL_ERROR]):
             raise ZlcError(f"the megakernel raised error flags {int(c[fmt.CTRL_ERROR])} (a wait timed out)")
         if int(self.CNT.abs().sum()):

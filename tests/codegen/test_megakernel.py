@@ -141,16 +141,23 @@ def test_prompt_longer_than_a_chunk(built: Callable[..., Built]) -> None:
 
 
 @pytest.mark.slow
-def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle: Any, work: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["ops", "fused"])
+def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle: Any, work: Path,
+                                     fused: bool) -> None:
     """The cpu tiling never splits KV; a custom tiling with 4 splits of 16 keys (and 16-column
     Linear tasks, so many tasks) runs through a bundle rewritten for it. Decode at positions
-    37..40 uses three splits and leaves the fourth empty."""
+    37..40 uses three splits and leaves the fourth empty. `fused`: the GPU tiling's fusions --
+    attention reads the step's k/v from the projections and its owner appends them to the cache
+    (no cache_append op), the output projection merges the partials as it loads (no combine op)."""
     b = built("llama")
-    t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0)
+    t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0,
+                fuse_kv_append=fused, fuse_combine=fused)
     p = b.program(t)
     validate_program(p)
-    assert sum(x.op == fmt.OP_ATTN_COMBINE for x in p.tables["decode"]) == 2 * 4  # layers x heads
-    path = program_bundle(b.path, work / "split.zlc", p)
+    combines = sum(x.op == fmt.OP_ATTN_COMBINE for x in p.tables["decode"])
+    appends = sum(x.op == fmt.OP_CACHE_APPEND for m in p.tables.values() for x in m)
+    assert (combines, appends) == ((0, 0) if fused else (2 * 4, 2 * 2 * 2))  # layers x heads; layers x kv heads x modes
+    path = program_bundle(b.path, work / f"split-{fused}.zlc", p)
     prompt = [(11 * i + 5) % b.vocab for i in range(37)]
     with b.session(path) as s:
         r = run_both(s, b.lowered, prompt, steps=3)
@@ -162,24 +169,45 @@ def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bund
                                        name: str) -> None:
     """The decode matrix-vector bodies specialized per row length (emit.GemvBody: weights and norm
     gains requested before the wait, chunks prefetched ahead, RMSNorm folded into the product,
-    LayerNorm statistics merged chunk by chunk) on the GPU tiling's shape of work: one block of
-    columns per task, and rows unrolled into 32-column chunks so every body runs several chunks
-    with loads in flight ahead (llama: RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh
-    gate)."""
+    LayerNorm statistics merged chunk by chunk, split-KV partials merged as the o projection loads
+    its row) on the GPU tiling's shape of work: one block of columns per task, and rows unrolled
+    into 32-column chunks so every body runs several chunks with loads in flight ahead (llama:
+    RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh gate)."""
     from zlc.codegen.emit import gemv_bodies
 
     b = built(name)
-    t = replace(tiling_for(get_target("cpu"), 64), block_n=16, max_linear_tasks=0)
+    t = replace(tiling_for(get_target("cpu"), 64), block_n=16, max_linear_tasks=0, kv_splits=2, block_kv=16,
+                fuse_kv_append=True, fuse_combine=True)
     p = b.program(t)
     small = {"max_chunk": 32, "prefetch_bytes": 2 * t.block_n * 32 * 4}  # two fp32 chunks in flight
     bodies = gemv_bodies([p], "fp32", t.block_n, **small)
     assert bodies and all(len(g.chunks) >= 2 for g in bodies)
     assert any(g.depth < len(g.chunks) for g in bodies), "some body must prefetch ahead, not all at once"
-    assert {g.norm for g in bodies} >= ({1} if name != "gpt2" else {2})
+    # the norm kinds: RMS (or Layer), none (the MLP down projection), merged (the o projection)
+    assert {g.norm for g in bodies} >= ({1, 0, 3} if name != "gpt2" else {2, 0, 3})
     path = program_bundle(b.path, work / f"{name}-gemv.zlc", p, **small)
     assert all(g.name in (path / "kernel.py").read_text() for g in bodies)
     with b.session(path) as s:
         assert_matches(run_both(s, b.lowered, PROMPT, steps=3))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_fused_append_across_prefill_chunks(built: Callable[..., Built], program_bundle: Any, work: Path,
+                                            name: str) -> None:
+    """The fused attention's cache append under prefill chunking: a prompt of two launches (the
+    second attends to the first's keys through the cache the first wrote) and decode steps after
+    it, on a tiling with the GPU's fusions."""
+    b = built(name, 128)
+    t = replace(tiling_for(get_target("cpu"), 128), fuse_kv_append=True, fuse_combine=True, kv_splits=2,
+                block_kv=32)
+    p = b.program(t)
+    validate_program(p)
+    path = program_bundle(b.path, work / f"{name}-fused.zlc", p)
+    prompt = [(7 * i + 3) % b.vocab for i in range(b.chunk + 6)]
+    with b.session(path) as s:
+        r = run_both(s, b.lowered, prompt, steps=3)
+        assert s.launches == 2 + 3
+    assert_matches(r)
 
 
 # ---- task orders ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from zlc import bundle as fmt
 from zlc.bundle import OP_NAMES
 from zlc.codegen import program as pg
 from zlc.codegen.program import Program, Region, Task, Tiling
-from zlc.codegen.schedule import schedule, signalers, tiling_for
+from zlc.codegen.schedule import happens_before, schedule, signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
 from zlc.targets import get_target
@@ -69,9 +69,11 @@ def _expected_hist(t: Tiling, mode: str) -> dict[str, int]:
         attention = m["layers"] * m["hq"] * math.ceil(t.chunk / t.block_t)  # heads x query blocks
     else:
         attention = m["layers"] * m["hq"] * t.kv_splits
-    h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t),
-         "cache_append": m["layers"] * m["hkv"], "attention": attention, "argmax": 1}
-    if mode == "decode" and t.kv_splits > 1:
+    h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t), "attention": attention,
+         "argmax": 1}
+    if not t.fuse_kv_append:  # fused: attention reads the step's k/v from the projections
+        h["cache_append"] = m["layers"] * m["hkv"]
+    if mode == "decode" and t.kv_splits > 1 and not t.fuse_combine:  # fused: merged by the o projection
         h["attn_combine"] = m["layers"] * m["hq"]
     return h
 
@@ -146,16 +148,41 @@ def test_every_table_validates(lower_model: Any, name: str, target: str) -> None
 
 
 def test_split_kv_for_long_contexts(lower_model: Any) -> None:
-    """The GPU tiling splits decode attention over the KV cache once max_seq >= 512; one combine
-    task per query head merges a head's splits and depends on exactly those split tasks."""
+    """The GPU tiling splits decode attention over the KV cache once max_seq >= 128 (splits of >= 64
+    keys). With fuse_combine (the GPU tiling's) the output projection merges a layer's partials as
+    it loads its row, so each of its decode tasks depends on exactly that layer's split tasks; without
+    it, one combine task per query head merges that head's splits."""
+    from dataclasses import replace
+
+    from zlc.codegen.program import NORM_COMBINE
+
     lowered = lower_model(*MODELS["llama"], 1024)
     m = _llama_dims()
     p = _program(lowered, "h100")
     validate_program(p)
     S = p.tiling.kv_splits
-    assert S >= 2
+    assert S >= 2 and p.tiling.fuse_combine
     dec = p.tables["decode"]
     assert _hist(dec) == _expected_hist(p.tiling, "decode")
+    hb = happens_before(dec)
+    merged = [i for i, t in enumerate(dec) if t.op == fmt.OP_LINEAR and int(p.desc_int[t.desc, 10]) == NORM_COMBINE]
+    assert len(merged) == m["layers"] * _linear_tasks(m["hidden"], p.tiling)  # every o-projection task
+    splits_of_layer: dict[str, set[int]] = {}
+    for j, t in enumerate(dec):
+        if t.op == fmt.OP_ATTENTION:
+            splits_of_layer.setdefault(t.label.split(".attention")[0], set()).add(j)
+    assert len(splits_of_layer) == m["layers"]
+    assert all(len(js) == m["hq"] * S for js in splits_of_layer.values())
+    for i in merged:  # ordered after every split of exactly one layer's attention
+        before = {j for j in range(len(dec)) if hb[i] >> j & 1 and dec[j].op == fmt.OP_ATTENTION}
+        assert any(before >= js for js in splits_of_layer.values()), dec[i].label
+    prefill_merged = [t for t in p.tables["prefill"] if t.op == fmt.OP_LINEAR
+                      and int(p.desc_int[t.desc, 10]) == NORM_COMBINE]
+    assert not prefill_merged  # prefill attention writes its output rows directly
+    # the unfused structure: one combine task per query head, on exactly its splits
+    u = schedule(lowered.decode, replace(p.tiling, fuse_combine=False), 1024)
+    validate_program(u)
+    dec = u.tables["decode"]
     combines = [i for i, t in enumerate(dec) if t.op == fmt.OP_ATTN_COMBINE]
     assert len(combines) == m["layers"] * m["hq"]
     sig = signalers(dec)
@@ -164,7 +191,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
         layer = t.label.split(".combine")[0]
         deps = {j for e, _ in t.waits for j in sig[e]}
         assert {dec[j].label for j in deps} == {f"{layer}.attention[h{t.a},s{s}]" for s in range(S)}
-    assert not any(t.op == fmt.OP_ATTN_COMBINE for t in p.tables["prefill"])
+    assert not any(t.op == fmt.OP_ATTN_COMBINE for t in u.tables["prefill"])
     for target, seq in (("cpu", 1024), ("h100", 64)):  # no split: the interpreter, or short contexts
         q = _program(lower_model(*MODELS["llama"], seq), target)
         assert q.tiling.kv_splits == 1

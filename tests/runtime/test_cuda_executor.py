@@ -211,6 +211,7 @@ class FakeDriver:
         self.activations = 0
         self.closed = False
         self.image = b""
+        self.images: list[bytes] = []  # every loaded module, in load order
         self.flag_error = 0
         self.leave_counters = False
         self.vocab = 256
@@ -227,7 +228,8 @@ class FakeDriver:
 
     def load_function(self, image: bytes, name: str, shared: int) -> Any:
         self.image, self.fn_name, self.fn_shared = image, name, shared
-        return ("fn", name)
+        self.images.append(image)
+        return ("fn", len(self.images) - 1)
 
     def alloc(self, nbytes: int) -> int:
         buf = ctypes.create_string_buffer(max(nbytes, 1))
@@ -270,7 +272,8 @@ class FakeDriver:
     def launch(self, fn: Any, grid: int, block: int, shared: int, stream: Any, params: int) -> None:
         arr = (ctypes.c_void_p * len(self.names)).from_address(params)
         ptrs = {n: ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i, n in enumerate(self.names)}
-        self.launches.append({"grid": grid, "block": block, "shared": shared, "ptrs": ptrs})
+        self.launches.append({"grid": grid, "block": block, "shared": shared, "ptrs": ptrs,
+                              "image": self.images[fn[1]]})
         self._op(self._kernel, ptrs)
 
     def _kernel(self, ptrs: dict[str, int]) -> None:
@@ -344,8 +347,13 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
     be, drv = _fake_backend(bundle, manifest, cc=86, sms=80, name="NVIDIA GeForce RTX 3090")
     try:
         assert be.config.target == "a10" and be.config.grid == 80  # the device's SM count
-        assert drv.image == (bundle / "kernels" / "a10.cubin").read_bytes()
-        assert drv.fn_name == "zlc_megakernel" and drv.fn_shared == manifest["targets"]["a10"]["metadata"]["shared"]
+        # two kernels of one source: the decode kernel (the target's cubin) and the prefill one
+        decode_img = (bundle / "kernels" / "a10.cubin").read_bytes()
+        prefill_img = (bundle / manifest["targets"]["a10"]["prefill"]["cubin"]).read_bytes()
+        assert drv.images == [decode_img, prefill_img] and decode_img != prefill_img
+        # the last module loaded is the prefill kernel's, with its own shared memory
+        assert drv.fn_name == "zlc_megakernel"
+        assert drv.fn_shared == manifest["targets"]["a10"]["prefill"]["metadata"]["shared"]
         w = zl.read_safetensors(bundle / "weights.safetensors")
         t = zl.read_safetensors(bundle / "tables" / "gpu.safetensors")
         p = be.pointers
@@ -355,7 +363,8 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
             assert _bytes(p[name], t[key][1].nbytes) == t[key][1].tobytes()
         lay = manifest["tilings"]["gpu"]["layout"]
         assert _bytes(p["CNT"], 4 * lay["counters_size"]) == bytes(4 * lay["counters_size"])
-        assert p["global_scratch"] == 0 and p["profile_scratch"] == 0
+        for params in (be.params, be.prefill_params):  # each kernel's scratch (none for these cubins)
+            assert params.as_dict()["global_scratch"] == 0 and params.as_dict()["profile_scratch"] == 0
         assert p["CTRL"] in drv.host  # mapped pinned host memory, not a device buffer
         assert _bytes(p["A"], 4 * lay["a_size"]) == bytes(4 * lay["a_size"])  # zeroed like the interpreter's
 
@@ -364,12 +373,15 @@ def test_backend_uploads_bundle_and_launches_per_manifest(bundle: Path, manifest
         assert tok == toy_next(7, 2, drv.vocab)
         assert lg is not None and lg.shape == (1, lay["logits"]["cols"]) and int(lg.argmax()) == tok
         L = drv.launches[-1]
-        assert (L["grid"], L["block"], L["shared"]) == (80, 32 * 8, manifest["targets"]["a10"]["metadata"]["shared"])
-        assert L["ptrs"] == p
+        assert (L["grid"], L["block"]) == (80, 32 * 8) and L["image"] == prefill_img  # a prefill launch
+        assert L["shared"] == manifest["targets"]["a10"]["prefill"]["metadata"]["shared"]
+        assert {k: v for k, v in L["ptrs"].items() if "scratch" not in k} == \
+            {k: v for k, v in p.items() if "scratch" not in k}
         c = be.ctrl
         assert (c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST], c[fmt.CTRL_ALL_LOGITS]) == (0, 3, 0, 0)
         tok2, lg2 = be.launch(fmt.MODE_DECODE, [tok], 3, False, False)
         assert lg2 is None and tok2 == toy_next(tok, 3, drv.vocab)
+        assert drv.launches[-1]["image"] == decode_img  # a decode launch runs the decode kernel
         _, all_lg = be.launch(fmt.MODE_PREFILL, [1, 2], 4, True, True)
         assert all_lg is not None and all_lg.shape == (2, lay["logits"]["cols"])
         assert all_lg.argmax(1).tolist() == [toy_next(1, 4, drv.vocab), toy_next(2, 5, drv.vocab)]
