@@ -435,16 +435,18 @@ class TaskBuilder:
         if fused and k.rope is not None and q.rope is not None and k.rope != q.rope:
             raise ScheduleError(f"node '{n.name}' (Attention): q and k rotate differently; the fused "
                                 "attention rotates the step's keys with q's tables")
-        if not fused:
-            d_app = self.desc(f"{n.name}.cache_append", {
-                0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
-                3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
-                7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
-            self.add_op(f"{n.name}.cache_append", [
-                Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
-                                                       Region(v.buf.name, h * D, (h + 1) * D)],
-                     writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
-                     label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)])
+        # Prefill always appends the chunk's k/v first (a level per layer weighs little beside the
+        # chunk's matrix products); decode with fuse_kv_append has attention do it (one level less).
+        d_app = self.desc(f"{n.name}.cache_append", {
+            0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
+            3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
+            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
+        appends_op = [Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
+                                                             Region(v.buf.name, h * D, (h + 1) * D)],
+                           writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
+                           label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)]
+        self.add_op(f"{n.name}.cache_append",
+                    {"prefill": appends_op, "decode": [] if fused else copy.deepcopy(appends_op)})
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
         floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0)}
@@ -457,12 +459,12 @@ class TaskBuilder:
                 12: self.max_seq * D, 13: hq // hkv, 14: partial, 15: split_len,
                 # fused append: the step's keys and values, read from the projections (k rotated
                 # on load); the first q head of each KV group writes them into the cache
-                16: self.buffers[k.buf.name].offset if fused else -1, 17: k.buf.cols,
-                18: self.buffers[v.buf.name].offset if fused else -1, 19: v.buf.cols}, floats)
+                16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
+                18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols}, floats)
 
-        def reads(h: int) -> list[Region]:
+        def reads(h: int, mode: str = "decode") -> list[Region]:
             g = h // (hq // hkv)
-            if fused:  # the cache's earlier rows (no writer in this launch) and this step's k, v
+            if fused and mode == "decode":  # the cache's earlier rows (no writer in this launch), this step's k, v
                 return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
                         Region(cv.name, g, g + 1), Region(k.buf.name, g * D, (g + 1) * D),
                         Region(v.buf.name, g * D, (g + 1) * D)]
@@ -474,14 +476,13 @@ class TaskBuilder:
             launch reads them: a separate region, so the earlier rows' readers do not wait)."""
             g = h // (hq // hkv)
             if not (fused and owner and h % (hq // hkv) == 0):
-                return []
+                return []  # (prefill: the cache_append op writes them)
             return [Region(ck.name + ":step", g, g + 1), Region(cv.name + ":step", g, g + 1)]
 
         d_pre = attn_desc("prefill", -1, self.max_seq)
         nqb = -(-t.chunk // t.block_t)
-        prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h),
-                        writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t),
-                                *appends(h, qb == 0)],
+        prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h, "prefill"),
+                        writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t)],
                         label=f"{n.name}.attention[h{h},q{qb}]")
                    for h in range(hq) for qb in range(nqb)]
         S = t.kv_splits

@@ -147,8 +147,9 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
     """The cpu tiling never splits KV; a custom tiling with 4 splits of 16 keys (and 16-column
     Linear tasks, so many tasks) runs through a bundle rewritten for it. Decode at positions
     37..40 uses three splits and leaves the fourth empty. `fused`: the GPU tiling's fusions --
-    attention reads the step's k/v from the projections and its owner appends them to the cache
-    (no cache_append op), the output projection merges the partials as it loads (no combine op)."""
+    decode attention reads the step's k/v from the projections and its owner appends them to the
+    cache (no cache_append op in decode), the output projection merges the partials as it loads
+    (no combine op)."""
     b = built("llama")
     t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0,
                 fuse_kv_append=fused, fuse_combine=fused)
@@ -156,7 +157,8 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
     validate_program(p)
     combines = sum(x.op == fmt.OP_ATTN_COMBINE for x in p.tables["decode"])
     appends = sum(x.op == fmt.OP_CACHE_APPEND for m in p.tables.values() for x in m)
-    assert (combines, appends) == ((0, 0) if fused else (2 * 4, 2 * 2 * 2))  # layers x heads; layers x kv heads x modes
+    # combines: layers x heads (decode); appends: layers x kv heads, per mode (fused: prefill only)
+    assert (combines, appends) == ((0, 2 * 2) if fused else (2 * 4, 2 * 2 * 2))
     path = program_bundle(b.path, work / f"split-{fused}.zlc", p)
     prompt = [(11 * i + 5) % b.vocab for i in range(37)]
     with b.session(path) as s:

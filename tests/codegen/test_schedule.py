@@ -71,7 +71,7 @@ def _expected_hist(t: Tiling, mode: str) -> dict[str, int]:
         attention = m["layers"] * m["hq"] * t.kv_splits
     h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t), "attention": attention,
          "argmax": 1}
-    if not t.fuse_kv_append:  # fused: attention reads the step's k/v from the projections
+    if mode == "prefill" or not t.fuse_kv_append:  # fused: decode attention reads the step's k/v itself
         h["cache_append"] = m["layers"] * m["hkv"]
     if mode == "decode" and t.kv_splits > 1 and not t.fuse_combine:  # fused: merged by the o projection
         h["attn_combine"] = m["layers"] * m["hq"]
