@@ -84,7 +84,7 @@ def _is_pred(r: str) -> bool:
     return r.startswith(("P", "UP"))
 
 
-def simulate(seq: list[Instr], weight: list[bool], passes: int = 2) -> dict[str, int]:
+def simulate(seq: list[Instr], weight: list[bool], passes: int = 2) -> dict[str, Any]:
     """In-order issue over an instruction sequence (a loop iteration path, run twice: the second
     pass is the steady state). A global load is outstanding from issue until an instruction reads
     or overwrites a register it writes (that instruction waits for it). Returns the most weight /
@@ -228,7 +228,8 @@ class KernelCode:
 
     def _taint(self) -> dict[int, frozenset[str]]:
         """For every global memory access: the kernel parameters its address registers derive from."""
-        kp, param_of, none = self.params, self.param_of, frozenset()
+        kp, param_of = self.params, self.param_of
+        none: frozenset[str] = frozenset()
         union = frozenset.union
 
         def transfer(ins: Instr, st: dict[Any, Any]) -> None:
@@ -307,14 +308,14 @@ class KernelCode:
                     k, node = hit
                     votes[self.chains[n][:k] + ((self.chains[n][k][0], node.lineno),)] += 1
             ch = votes.most_common(1)[0][0] if votes else ()
-            node = self.src.loop_statement(ch[-1][0], ch[-1][1]) if ch else None
+            stmt = self.src.loop_statement(ch[-1][0], ch[-1][1]) if ch else None
             wl = Counter(self.sass.instrs[n].opcode for n in own if n in self.weight)
             ol = Counter(self.sass.instrs[n].opcode for n in own
                          if self.sass.instrs[n].is_global_load and n not in self.weight)
             wf = next((n for n in own if n in self.weight), None)
             gf = next((n for n in own if self.sass.instrs[n].is_global_load), None)
             loops.append(LoopFacts(
-                lp, ch[-1][0] if ch else None, ch[-1][1] if ch else None, ch, node, enclosing(self.src, ch, node),
+                lp, ch[-1][0] if ch else None, ch[-1][1] if ch else None, ch, stmt, enclosing(self.src, ch, stmt),
                 any(self.sass.instrs[n].is_mma for n in lp.instr_indices(cfg)), dict(wl), dict(ol),
                 self.sass.instrs[cfg.blocks[lp.header].start].addr, own,
                 None if gf is None else self.address_depth(gf), None if wf is None else self.address_depth(wf)))
@@ -399,7 +400,7 @@ class KernelCode:
         pick = [s for s in succ if side.get(s) is bool(t)]
         return pick or succ
 
-    def loop_path(self, lf: LoopFacts, ev: Evaluator | None, body: str, limit: int = 32) -> dict[str, int]:
+    def loop_path(self, lf: LoopFacts, ev: Evaluator | None, body: str, limit: int = 32) -> dict[str, Any]:
         """In-flight and round-trip facts of one iteration of the loop on the path(s) the task
         takes (the worst path when several remain)."""
         cfg, lp = self.cfg, lf.loop

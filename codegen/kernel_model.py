@@ -245,10 +245,10 @@ def predict(facts: TargetFacts, tables: TableFacts, man: dict[str, Any], context
     nbytes = tables.modes["decode"]["weight_bytes"] + kv
     for case in CASES:
         p = params_for(facts.target, case)
-        us[case], t = step_time(tasks, p, facts.grid, kv_in_l2=kv <= p.l2_mb * 1e6 / 2)
+        us[case], parts = step_time(tasks, p, facts.grid, kv_in_l2=kv <= p.l2_mb * 1e6 / 2)
         floor[case] = nbytes / (p.hbm_gbs * 1e3)
         if case == "central":
-            terms = {k: round(v, 1) for k, v in t.items()}
+            terms = {k: round(v, 1) for k, v in parts.items()}
     p = params_for(facts.target, "central")
     per_op: dict[str, dict[str, float]] = {}
     for t in tasks:
@@ -417,7 +417,8 @@ def render_markdown(reports: list[dict[str, Any]], command: str = "") -> str:
     for rep in reports:
         for name, vals in summary_rows(rep):
             if name not in rows:
-                rows[name], _ = {}, order.append(name)
+                rows[name] = {}
+                order.append(name)
             for tg, v in vals.items():
                 rows[name][(rep["model"], tg)] = v
     for name in order:

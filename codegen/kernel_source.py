@@ -75,7 +75,7 @@ class KernelSource:
         # op code -> body function name, from `if op == N: body(...)` chains in the task loop
         self.dispatch: dict[int, str] = {}
         self.dispatch_calls: dict[str, ast.Call] = {}
-        for node in ast.walk(self.task_loop):
+        for node in ast.walk(self.task_loop):  # type: ignore[assignment]  # (walk yields ast.AST)
             if isinstance(node, ast.If):
                 code = _eq_constant(node.test)
                 for st in node.body:
@@ -181,7 +181,8 @@ class KernelSource:
         """`node` and its parents up to the function."""
         key = ("anc", fn, id(node))
         if key not in self.cache:
-            out, cur = [], node
+            out: list[ast.AST] = []
+            cur: ast.AST | None = node
             while cur is not None:
                 out.append(cur)
                 cur = self.parent(fn, cur)

@@ -165,7 +165,7 @@ def cubin_facts(bundle: Path, target: str, man: dict[str, Any] | None = None, ev
     for name in sorted(code.body_blocks, key=lambda b: code_of.get(b, 99)):
         idx = [n for n, w in enumerate(code.where) if w == name]
         loops = code.body_loops(name)
-        lives = [code.sass.instrs[n].live_gprs for n in idx if code.sass.instrs[n].live_gprs is not None]
+        lives = [g for n in idx if (g := code.sass.instrs[n].live_gprs) is not None]
         op = code_of.get(name)
         bf = BodyFacts(name, OP_NAMES[op] if op is not None and op < len(OP_NAMES) else None, op, len(idx),
                        max(lives) if lives else None,

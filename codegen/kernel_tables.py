@@ -112,7 +112,8 @@ class Tables:
             ev.set_task(i)
             body = src.dispatch.get(r["op"])
             found: list[tuple[int, bool]] = []
-            for ld in loads.get(body, []) if body else []:
+            for ld in loads.get(body, []) if body is not None else []:
+                assert body is not None
                 chain = ((src.entry, call_line[body]), (body, ld.lineno))
                 if ev.executes(ld, chain) is False:
                     continue

@@ -283,7 +283,8 @@ def _def_use(ins: Instr) -> None:
     dw = _dest_width(ins.opcode)
     dests: list[str] = []
     for i, o in enumerate(ops[:n_dest]):
-        dests += _regs(_REG.match(o).group(1), dw if i == 0 or op in _REG_AND_PRED else 1) if _REG.match(o) else []
+        rm = _REG.match(o)
+        dests += _regs(rm.group(1), dw if i == 0 or op in _REG_AND_PRED else 1) if rm else []
     srcs: list[str] = []
     for i, o in enumerate(ops[n_dest:]):
         w = 1

@@ -5,12 +5,16 @@ The compile pipeline is data: `COMPILE_STAGES`, a list of named stages run in or
 progress under its name, and can show what it made (`zlc inspect MODEL --after schedule`):
 
     lower -> verify (against ONNX Runtime / the torch module) -> schedule + validate per tiling
-    -> emit kernel.py and the IR -> weights (arenas) -> aot (cubin per GPU target) -> tokenizer
-    -> ebpf (the XDP program) -> manifest (sha256 of every file)
+    -> emit kernel.py and the IR -> weights (arenas) -> native (the C kernel per ISA level)
+    -> aot (cubin per GPU target) -> tokenizer -> ebpf (the XDP program) -> manifest (sha256 of
+    every file)
 
 Two tilings at most: `cpu` (coarse tiles for the Triton interpreter; always present, so any
 bundle runs with `--device cpu`) and `gpu` (one Linear block per task, split-KV), shared by every
-GPU target; the targets differ only in arch (cubin) and grid (SM count).
+GPU target; the targets differ only in arch (cubin) and grid (SM count). The native stage adds a
+third, `native` (tasks sized for threads), run by the C kernel it compiles with the system C
+compiler for every ISA level of this machine; without a compiler the bundle is built without it
+and its manifest says why.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Build:
     target_info: dict[str, Any] = field(default_factory=dict)
     tokenizer_info: dict[str, Any] | None = None
     xdp: Any = None
+    native: dict[str, Any] = field(default_factory=dict)  # the manifest's `native` entry
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def report(self, stage: str, detail: str = "") -> None:
@@ -148,6 +153,28 @@ def _weights(b: Build) -> None:
     save_file({"W": W, "P": P}, str(b.tmp / "weights.safetensors"))
 
 
+def _native(b: Build) -> None:
+    from zlc.codegen.native import NativeBuild, build_native, find_compiler
+    from zlc.codegen.schedule import schedule, tiling_for
+    from zlc.codegen.validate import validate_program
+
+    cc, why = find_compiler()
+    if cc is None:  # the bundle still runs on GPUs and the interpreter; its manifest says why not here
+        b.native = NativeBuild(skipped=why).manifest()
+        b.report("native", f"native CPU kernel skipped: {why}")
+        return
+    b.report("native", "native tiling")
+    prog = schedule(b.decode, tiling_for(get_target("cpu"), b.max_seq, native=True), b.max_seq, model=b.name)
+    validate_program(prog)
+    if prog.weights != b.programs["cpu"].weights:  # one W/P arena serves every tiling
+        raise ZlcError("the native tiling places weights differently from the cpu tiling (a scheduler bug)")
+    b.programs["native"] = prog
+    b.tilings["native"] = _write_tables(b.tmp, "native", prog, b.debug_waits)
+    built = build_native(prog, b.tmp / "native", weight_dtype=b.wdtype, version=__version__,
+                         progress=lambda s: b.report("native", s))
+    b.native = built.manifest()
+
+
 def _aot(b: Build) -> None:
     gpu_targets = [t for t in b.targets if t.is_gpu]
     if gpu_targets:
@@ -225,7 +252,7 @@ def _manifest(b: Build) -> None:
                    "params": list(signature(b.wdtype)), "debug_waits": b.debug_waits},
         "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
                     "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
-        "tilings": b.tilings, "targets": b.target_info, "verification": b.verification,
+        "tilings": b.tilings, "targets": b.target_info, "native": b.native, "verification": b.verification,
         "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled in by compile() below
     }
     b.report("manifest", "sha256 of every file")
@@ -276,6 +303,8 @@ COMPILE_STAGES: tuple[CompileStage, ...] = (
     CompileStage("schedule", _schedule, _show_schedule, "task tables per tiling (cpu, gpu), validated"),
     CompileStage("emit", _emit, lambda b: b.kernel_source, "kernel.py from the template; the IR files"),
     CompileStage("weights", _weights, _show_weights, "the W/P arenas, laid out as the kernel reads them"),
+    CompileStage("native", _native, lambda b: json.dumps(b.native, indent=1),
+                 "the native CPU kernel: C source, one library per ISA level (system C compiler)"),
     CompileStage("aot", _aot, _show_aot, "a cubin per GPU target (ptxas), resources, roofline"),
     CompileStage("tokenizer", _tokenizer, _show_tokenizer, "the tokenizer and chat template, when given"),
     CompileStage("ebpf", _ebpf, _show_ebpf, "the XDP ingress program (clang -target bpf, when present)"),

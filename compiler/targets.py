@@ -1,16 +1,24 @@
-"""Named compilation targets (the `TARGETS` table below) and the batch-1 decode roofline.
+"""Named compilation targets (the `TARGETS` table below), the CPU ISA levels of the native kernel,
+and the batch-1 decode roofline.
 
 The latency floor of a batch-1 decode step is the bytes it must read (weights once, the KV cache
 up to the current context) divided by the memory bandwidth. `zlc compile --target` names one of
 these (docs/cli.md lists them); this module is the single table of their facts.
+
+`ISA_LEVELS` is shared by the two sides of the native CPU kernel: codegen compiles one shared
+library per level (its compiler flags), the runtime picks the best level the host's CPU flags
+allow (its `requires`). Both read it here because neither may import the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import ZlcError
-from .ir import DType, Graph
+
+if TYPE_CHECKING:  # the IR (and torch) load only where traffic is priced: the native runtime imports this
+    from .ir import DType, Graph
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,35 @@ def get_target(name: str) -> Target:
     if t is None:
         raise ZlcError(f"unknown target '{name}'; known targets: {', '.join(TARGETS)}")
     return t
+
+
+@dataclass(frozen=True)
+class IsaLevel:
+    """One build of the native CPU kernel: a psABI microarchitecture level on x86-64, or the
+    compiler's default for the machine elsewhere."""
+
+    name: str  # "x86-64-v4"; also the library's file name in the bundle (native/<name>.so)
+    machine: str  # platform.machine() of the hosts it runs on
+    cflags: tuple[str, ...]  # what the C compiler gets for this level
+    requires: tuple[str, ...]  # /proc/cpuinfo flags a host needs to run it
+
+
+_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
+_V3 = _V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+# Best first: the runtime takes the first one the host can run.
+ISA_LEVELS: tuple[IsaLevel, ...] = (
+    IsaLevel("x86-64-v4", "x86_64", ("-march=x86-64-v4",), _V4),  # AVX-512: 16 lanes
+    IsaLevel("x86-64-v3", "x86_64", ("-march=x86-64-v3",), _V3),  # AVX2 + FMA: 8 lanes
+    IsaLevel("x86-64-v2", "x86_64", ("-march=x86-64-v2",), _V2),  # SSE4.2: 4 lanes, no FMA
+)
+
+
+def isa_levels_for(machine: str) -> list[IsaLevel]:
+    """The levels to build on (and for) a `machine`: the x86-64 levels, else one generic build."""
+    levels = [lv for lv in ISA_LEVELS if lv.machine == machine]
+    return levels or [IsaLevel(f"{machine}-generic", machine, (), ())]
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,19 @@
 """`zlc.load(path)`: a checked bundle, its tokenizer, and sessions on an executor.
 
     b = zlc.load("smollm2.zlc")
-    new_ids = b.generate([1, 2, 3], max_new_tokens=8)            # greedy, CPU interpreter
-    with b.session(device="cpu") as s: s.prefill(ids); s.step(tok)
-    b.generate(ids, 8, device="reference")                       # the bundle's IR in torch (fast CPU)
+    new_ids = b.generate([1, 2, 3], max_new_tokens=8)            # greedy; auto: GPU, else native CPU
+    with b.session(device="cpu", threads=2) as s: s.prefill(ids); s.step(tok)   # the native kernel
+    b.generate(ids, 8, device="interpret")                       # the Triton source, interpreted
+    b.generate(ids, 8, device="reference")                       # the bundle's IR in torch
+
+Devices: `auto` (the default) is `cuda` when this host has a GPU and the bundle a cubin that runs on
+it, else `cpu` (the native C kernel), else a one-line error naming both reasons.
 """
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,27 @@ from zlc.errors import ZlcError
 
 from .megakernel import MegakernelSession
 
-DEVICES = ("cpu", "cuda", "reference")
+DEVICES = ("auto", "cpu", "interpret", "cuda", "reference")
+_CU_CC_MAJOR, _CU_CC_MINOR = 75, 76  # CUdevice_attribute values
+
+
+def cuda_device() -> tuple[int, str] | None:
+    """(compute capability, name) of GPU 0 through the CUDA driver library, or None when this host
+    has no usable GPU (no libcuda, no device, or the driver refuses to initialize)."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    n, dev, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    if cu.cuInit(0) != 0 or cu.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
+        return None
+    if cu.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+    cu.cuDeviceGetAttribute(ctypes.byref(major), _CU_CC_MAJOR, dev)
+    cu.cuDeviceGetAttribute(ctypes.byref(minor), _CU_CC_MINOR, dev)
+    name = ctypes.create_string_buffer(256)
+    cu.cuDeviceGetName(name, 256, dev)
+    return major.value * 10 + minor.value, name.value.decode(errors="replace")
 
 
 class Bundle:
@@ -58,14 +84,45 @@ class Bundle:
         info = self.manifest.get("tokenizer") or {}
         return [int(i) for i in info.get("eos_token_ids", [])]
 
-    def session(self, device: str = "cpu", *, debug: bool | None = None) -> MegakernelSession:
-        """A session on `device`: `cpu` (the megakernel in Triton's interpreter), `cuda[:N]` (its
-        cubin), or `reference` (the bundle's IR on its packed weights, torch on the CPU; fast, but
-        not the kernel). `debug` (default: as compiled, `--debug-waits`) runs the build whose
-        waits time out into an error instead of hanging."""
+    def resolve_device(self, device: str = "auto") -> str:
+        """The executor `device` names here: `auto` becomes `cuda` or `cpu` (see the module doc)."""
+        if device != "auto":
+            return device
+        gpu = cuda_device()
+        why_not_gpu = "no GPU"
+        if gpu is not None:
+            from .cuda_launch import CudaError, select_target
+
+            try:
+                select_target(self.manifest, gpu[0], device_name=gpu[1])
+                return "cuda"
+            except CudaError as e:
+                why_not_gpu = str(e)
+        from .native import NativeError, native_entry, select_level
+
+        try:
+            select_level(native_entry(self.path, self.manifest))
+            return "cpu"
+        except NativeError as e:
+            raise ZlcError(f"no executor for {self.path} on this host: {why_not_gpu}; and {e}") from e
+
+    def session(self, device: str = "auto", *, threads: int | None = None, pin: bool | Sequence[int] = False,
+                debug: bool | None = None) -> MegakernelSession:
+        """A session on `device`: `auto`, `cpu` (the native C kernel on this process's cores:
+        `threads`, default one per CPU it may use; `pin` pins them), `interpret` (the Triton kernel
+        in Triton's interpreter: slow, the check of the Triton source), `cuda[:N]` (its cubin), or
+        `reference` (the bundle's IR on its packed weights, torch on the CPU; not the kernel).
+        `debug` (default: as compiled, `--debug-waits`) makes waits time out into an error
+        instead of hanging."""
         if debug is None:
             debug = bool(self.manifest["kernel"].get("debug_waits", False))
+        device = self.resolve_device(device)
         if device == "cpu":
+            from .native import NativeBackend
+
+            native = NativeBackend(self.path, self.manifest, threads=threads, pin=pin, debug=debug)
+            return MegakernelSession(native, chunk=native.chunk, max_seq=self.max_seq, vocab=self.vocab)
+        if device == "interpret":
             from .interpret import InterpretBackend
 
             tiling = self.manifest["tilings"]["cpu"]
@@ -89,11 +146,11 @@ class Bundle:
             return MegakernelSession(gpu, chunk=gpu.chunk, max_seq=self.max_seq, vocab=self.vocab)
         raise ZlcError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, device: str = "cpu", *,
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, device: str = "auto", *,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 eos: int | list[int] | None = None) -> list[int]:
+                 eos: int | list[int] | None = None, threads: int | None = None) -> list[int]:
         """New token ids after `prompt_ids` (greedy by default)."""
-        with self.session(device) as s:
+        with self.session(device, threads=threads) as s:
             return s.generate(list(prompt_ids), max_new_tokens, eos=eos, temperature=temperature,
                               top_p=top_p, seed=seed)
 

@@ -84,8 +84,6 @@ class MegakernelSession:
     def stream(self, prompt_ids: list[int], max_new_tokens: int, *, eos: int | list[int] | None = None,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Iterator[int]:
         """Yields new tokens as they are produced; greedy unless temperature > 0."""
-        from zlc.reference.sampling import sample
-
         if max_new_tokens < 1:
             return
         stops = set([eos] if isinstance(eos, int) else (eos or []))
@@ -97,6 +95,8 @@ class MegakernelSession:
         gen = None
         if sampled:  # torch only when sampling: a greedy server process never imports it
             import torch
+
+            from zlc.reference.sampling import sample  # imports torch too
 
             gen = torch.Generator().manual_seed(seed if seed is not None else 0)
         tok, lg = self.prefill(list(prompt_ids), want_logits=sampled)

@@ -1,8 +1,9 @@
 """The real model through the whole toolchain: SmolLM2-135M compiled for a10 and h100 (AOT cubins,
-bf16 weights, the GGUF's tokenizer and chat template), then run on the CPU in the megakernel
-under Triton's interpreter. Its greedy tokens must equal ONNX Runtime's on the same prompt.
+bf16 weights, the GGUF's tokenizer and chat template), then run on the CPU by the native C
+megakernel (`cpu`, from the same task tables). Its greedy tokens must equal ONNX Runtime's on the
+same prompt.
 
-Slow (a few minutes: the interpreter costs tens of ms per task), but CI runs it."""
+Slow (the real model's export and compile), but CI runs it."""
 
 from __future__ import annotations
 

@@ -39,7 +39,11 @@ class CompileProgress:
             self.stage, self.t = stage, now
         if self.status is not None:
             self.status.update(f"{escape(stage)}: {escape(detail)}")
-        elif stage == "aot":
+        # a part of the bundle that could not be built says so on every console, not only in a
+        # live status line that the next stage overwrites
+        if "skipped" in detail or "source only" in detail:
+            self.console.print(f"  [yellow]{escape(detail)}[/]")
+        elif self.status is None and stage == "aot":
             self.console.print(f"  {escape(detail)}")
 
     def done(self) -> None:
@@ -78,6 +82,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
                       tokenizer=tokenizer, verify=not skip_verify, progress=p, force=force,
                       debug_waits=debug_waits)
         p.done()
+    assert res.path is not None  # the whole pipeline ran
     if as_json:
         click.echo(json.dumps(_compile_report(res.manifest, res.seconds, res.path), indent=1))
         return

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 @click.option("--explain", is_flag=True, help="Why raising rules refused to match (rule, reason, count).")
 @click.option("--tasks", "show_tasks", is_flag=True, help="BUNDLE: print the task table (decode; "
               "--prefill for prefill) of the cpu tiling, or --tiling gpu.")
-@click.option("--tiling", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@click.option("--tiling", type=click.Choice(["cpu", "gpu", "native"]), default="cpu", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="BUNDLE: print the manifest (with --kernel: the report).")
 @click.option("--target", "targets", multiple=True, metavar="NAME",
               help="With a compile stage for --after: the targets to compile for (default: cpu). "

@@ -21,10 +21,18 @@ from .common import MAX_SEQ, IdList, cli, err_console, progress
 @click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
 @click.option("--raw", is_flag=True, help="With --prompt: no chat template, encode the text as is.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True,
-              help="Bundles: cpu runs the megakernel in Triton's interpreter (slow, exact); cuda its "
-              "cubin; reference the bundle's IR on its packed weights with torch on the CPU (fast). "
-              "An ONNX MODEL always runs on the reference executor (cpu or reference).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "interpret", "cuda", "reference"]), default="auto",
+              show_default=True,
+              help="Bundles: auto = cuda when this host has a GPU the bundle has a cubin for, else cpu; cpu "
+              "runs the native C megakernel on this machine's cores; interpret the Triton kernel in "
+              "Triton's interpreter (slow: the check of the Triton source); cuda its cubin; reference the "
+              "bundle's IR on its packed weights with torch. An ONNX MODEL always runs on the reference "
+              "executor (auto, cpu or reference).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Worker threads of the native kernel (--device cpu/auto; default: one per CPU this "
+              "process may use).")
+@click.option("--pin", is_flag=True, help="Pin the native kernel's threads, one per CPU of this process's "
+              "affinity mask (what `zlc deploy` assigns).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
@@ -34,8 +42,8 @@ from .common import MAX_SEQ, IdList, cli, err_console, progress
 @MAX_SEQ
 @click.option("--json", "as_json", is_flag=True, help="Print prompt and generated ids (and text) as JSON.")
 def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
-        device: str, temperature: float, top_p: float, seed: int, eos: int | None, max_seq: int | None,
-        as_json: bool) -> None:
+        device: str, threads: int | None, pin: bool, temperature: float, top_p: float, seed: int,
+        eos: int | None, max_seq: int | None, as_json: bool) -> None:
     """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX MODEL and generate with the
     CPU reference executor (one IR node at a time: what the compiled model computes, not how fast).
 
@@ -46,13 +54,13 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
     if model.is_dir():
         if max_seq is not None:
             raise click.UsageError("--max-seq is fixed when a bundle is compiled (zlc compile --max-seq)")
-        _run_bundle(model, prompt, prompt_ids, raw, max_new_tokens, device, temperature, top_p, seed, eos,
-                    as_json)
+        _run_bundle(model, prompt, prompt_ids, raw, max_new_tokens, device, threads, pin, temperature, top_p,
+                    seed, eos, as_json)
         return
     if prompt_ids is None:
         raise click.UsageError("--prompt needs a compiled bundle with a tokenizer (zlc compile --tokenizer); "
                                "for an ONNX file use --prompt-ids")
-    if device not in ("cpu", "reference"):
+    if device not in ("auto", "cpu", "reference"):
         raise click.UsageError("an ONNX MODEL runs on the CPU reference executor; compile it for a GPU")
     need = len(prompt_ids) + max_new_tokens
     if max_seq is not None and need > max_seq:
@@ -78,8 +86,8 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
 
 
 def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
-                device: str, temperature: float, top_p: float, seed: int, eos: int | None,
-                as_json: bool) -> None:
+                device: str, threads: int | None, pin: bool, temperature: float, top_p: float, seed: int,
+                eos: int | None, as_json: bool) -> None:
     from zlc.runtime.loader import load
 
     bundle = load(path)
@@ -99,6 +107,7 @@ def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, ra
     if len(ids) + max_new_tokens - 1 > bundle.max_seq:
         raise ZlcError(f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceed the bundle's "
                        f"max_seq={bundle.max_seq}; recompile with a larger --max-seq")
+    device = bundle.resolve_device(device)  # auto -> cuda or cpu, so the summary line names it
     status = err.status(f"starting the {device} executor") if err.is_terminal else None
     if status is not None:
         status.start()
@@ -106,7 +115,7 @@ def _run_bundle(path: Path, prompt: str | None, prompt_ids: list[int] | None, ra
     t0 = time.perf_counter()
     first: float | None = None
     try:
-        with bundle.session(device) as s:
+        with bundle.session(device, threads=threads, pin=pin) as s:
             if status is not None:
                 status.update(f"prefill ({len(ids)} tokens, {device})")
             dec = tok.stream_decoder() if (tok is not None and prompt is not None) else None

@@ -24,8 +24,10 @@ from .common import cli, err_console
               help="Require this key (x-api-key or Authorization: Bearer). Env: ZLC_API_KEY.")
 @click.option("--model-name", default=None, help="The name clients must send as `model` "
               "(default: the bundle's model name).")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "reference"]), default="cpu", show_default=True,
-              help="Executor: cpu = the megakernel in Triton's interpreter, cuda = its cubin, "
+@click.option("--device", type=click.Choice(["auto", "cpu", "interpret", "cuda", "reference"]), default="auto",
+              show_default=True,
+              help="Executor: auto = cuda when there is a GPU the bundle has a cubin for, else cpu; cpu = the "
+              "native C megakernel; interpret = the Triton kernel in Triton's interpreter; cuda = its cubin; "
               "reference = the bundle's IR with torch on the CPU.")
 @click.option("--frame-port", type=click.IntRange(0, 65535), default=None,
               help="Also accept binary token frames over TCP on this port (docs/frames.md).")
@@ -46,23 +48,44 @@ from .common import cli, err_console
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="CPU threads of the executor (reference/cpu devices): raise for big models on many "
               "cores; 1 keeps small models' latency steady.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM: seconds requests in flight may still run (no new connections, /health 503) "
+              "before the rest end with an error and the server exits 0.")
+@click.option("--step-deadline", type=click.FloatRange(min=0.1), default=None,
+              help="Seconds one engine step (a prefill or a token) may take before the engine counts as hung: "
+              "its requests end with an error and it is restarted [default: 30 on cuda, 300 on cpu and "
+              "reference, 600 on interpret].")
+@click.option("--restart-limit", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Engine failures (exits, hangs, failed restarts) within --restart-window after which the "
+              "server gives up and exits 1, for systemd / Kubernetes to replace it.")
+@click.option("--restart-window", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds over which --restart-limit counts failures.")
+@click.option("--insecure-frames", is_flag=True,
+              help="Allow frame ports (--frame-port/--udp-port/--xdp) beyond loopback without --api-key.")
+@click.option("--metrics-public", is_flag=True, help="Serve /metrics without the API key when --api-key is set.")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
           frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int, max_body: int,
-          request_timeout: float, spin_us: float, threads: int) -> None:
+          request_timeout: float, spin_us: float, threads: int, drain_timeout: float, step_deadline: float | None,
+          restart_limit: int, restart_window: float, insecure_frames: bool, metrics_public: bool) -> None:
     """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
     completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
     /metrics (Prometheus); binary token frames over TCP/UDP with --frame-port/--udp-port.
 
-    Runs until Ctrl-C / SIGTERM. The engine (one process owning the executor) and this ingress talk
-    through shared-memory rings (docs/serving.md)."""
+    Runs until Ctrl-C / SIGTERM, then drains (--drain-timeout). The engine (one process owning the
+    executor) and this ingress talk through shared-memory rings; an engine that exits or hangs is
+    restarted (docs/serving.md). With --api-key, frames authenticate too (docs/frames.md)."""
     from zlc.runtime.serve.http import HttpLimits
     from zlc.runtime.serve.server import ServeOptions
     from zlc.runtime.serve.server import run as run_server
+    from zlc.runtime.serve.supervisor import RestartPolicy
 
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
                         threads=threads,
-                        limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout))
+                        limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout),
+                        drain_timeout_s=drain_timeout, step_deadline_s=step_deadline,
+                        restart=RestartPolicy(limit=restart_limit, window_s=restart_window),
+                        insecure_frames=insecure_frames, metrics_public=metrics_public)
     err = err_console()
     err.print(f"[dim]zlc serve: loading {escape(str(bundle))} on {device}…[/]")
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the bundled example, from a fresh machine: set up the venv (.venv), export a tiny
 # random-weight Llama to ONNX, verify zlc against ONNX Runtime (prefill + 32 decode steps through
-# zlc's KV cache), compile it into a megakernel bundle (the CPU tiling plus an sm_86 cubin for the
-# a10 target), and generate tokens with the megakernel under Triton's CPU interpreter.
+# zlc's KV cache), compile it into a megakernel bundle (the native CPU kernel, built by the system C
+# compiler per ISA level, plus an sm_86 cubin for the a10 target), and generate tokens with the
+# megakernel on this machine's cores (`--device auto`: the native kernel when there is no GPU).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"

@@ -14,6 +14,7 @@ import orjson
 
 from .api_common import (
     ApiError,
+    ChatPrompt,
     GenerationSpec,
     check_model,
     get_bool,
@@ -34,7 +35,8 @@ KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_seq
 STOP_REASON = {"eos": "end_turn", "max_tokens": "max_tokens", "stop_sequence": "stop_sequence"}
 
 
-def parse(body: Any, tokenizer: Any, served_model: str) -> GenerationSpec:
+def parse(body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
+    """The validated request (its prompt ids still empty) and the chat to tokenize."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     extra = sorted(set(body) - KNOWN_FIELDS)
@@ -70,20 +72,16 @@ def parse(body: Any, tokenizer: Any, served_model: str) -> GenerationSpec:
         if not isinstance(m, dict):
             raise invalid(f"messages.{i}: Input should be an object")
         role = m.get("role")
-        if role not in ("user", "assistant"):
+        if not isinstance(role, str) or role not in ("user", "assistant"):
             raise invalid(f"messages.{i}.role: Input should be 'user' or 'assistant'")
         if "content" not in m:
             raise invalid(f"messages.{i}.content: Field required")
         chat.append({"role": role, "content": text_of(m["content"], f"messages.{i}")})
+    prompt = ChatPrompt(chat)
     if chat[-1]["role"] == "assistant":  # prefill: the reply continues this text
-        head = chat[:-1]
-        ids = (tokenizer.encode(tokenizer.apply_chat_template(head, add_generation_prompt=True), add_special_tokens=False)
-               if head else [])
-        ids += tokenizer.encode(chat[-1]["content"].rstrip(), add_special_tokens=False)
-    else:
-        ids = tokenizer.encode_chat(chat)
-    return GenerationSpec(
-        prompt_ids=ids,
+        prompt = ChatPrompt(chat[:-1], prefill=chat[-1]["content"])
+    spec = GenerationSpec(
+        prompt_ids=[],
         max_tokens=max_tokens,
         stream=get_bool(body, "stream"),
         # Greedy unless asked: today's Messages API (and its SDK) has no sampling parameters, so a
@@ -94,6 +92,7 @@ def parse(body: Any, tokenizer: Any, served_model: str) -> GenerationSpec:
         seed=secrets.randbits(63),
         stop_sequences=get_stops(body.get("stop_sequences"), "stop_sequences", 16),
     )
+    return spec, prompt
 
 
 def error_body(e: ApiError) -> bytes:

@@ -22,12 +22,16 @@ class ApiError(Exception):
         "overloaded_error": 529,
     }
 
-    def __init__(self, kind: str, message: str, *, status: int | None = None, param: str | None = None):
+    def __init__(self, kind: str, message: str, *, status: int | None = None, param: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.status = status if status is not None else self.STATUS[kind]
         self.param = param
+        # seconds, sent as Retry-After: overload and rate limits always say when to come back
+        self.retry_after = retry_after if retry_after is not None else (
+            1 if kind in ("overloaded_error", "rate_limit_error") else None)
 
 
 @dataclass(slots=True)
@@ -43,6 +47,15 @@ class GenerationSpec:
     stop_sequences: list[str] = field(default_factory=list)
     include_usage: bool = False  # OpenAI stream_options.include_usage
     clipped: bool = False  # max_tokens was cut to what fits in the context
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """What an API's messages become before tokenizing (prompts.py): the chat, and for Anthropic a
+    final assistant message the reply continues (``prefill``: encoded after the template of the rest)."""
+
+    chat: list[dict[str, str]]
+    prefill: str | None = None
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
@@ -132,6 +145,8 @@ def fit_context(spec: GenerationSpec, max_seq: int) -> GenerationSpec:
     if n > max_seq:
         raise invalid(f"prompt is too long: {n} tokens > {max_seq} maximum")
     room = max_seq - n + 1  # the last new token needs no cache row
-    if spec.max_tokens > room:
+    if spec.max_tokens <= 0:  # not given (OpenAI): the rest of the context
+        spec.max_tokens = room
+    elif spec.max_tokens > room:
         spec.max_tokens, spec.clipped = room, True
     return spec

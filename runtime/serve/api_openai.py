@@ -12,6 +12,7 @@ import orjson
 
 from .api_common import (
     ApiError,
+    ChatPrompt,
     GenerationSpec,
     check_model,
     get_bool,
@@ -53,7 +54,8 @@ def status_of(e: ApiError) -> int:
     return 429 if e.kind == "overloaded_error" else e.status
 
 
-def parse(body: Any, tokenizer: Any, served_model: str, max_seq: int) -> GenerationSpec:
+def parse(body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
+    """The validated request (its prompt ids still empty) and the chat to tokenize."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     extra = sorted(set(body) - KNOWN_FIELDS)
@@ -89,7 +91,8 @@ def parse(body: Any, tokenizer: Any, served_model: str, max_seq: int) -> Generat
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"messages[{i}]: Input should be an object", "messages")
-        role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+        given = m.get("role")
+        role = ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise invalid(f"messages[{i}].role: {m.get('role')!r} is not supported "
                           "(system, developer, user, assistant)", "messages")
@@ -97,21 +100,26 @@ def parse(body: Any, tokenizer: Any, served_model: str, max_seq: int) -> Generat
         if content is None:
             raise invalid(f"messages[{i}].content: Field required", "messages")
         chat.append({"role": role, "content": text_of(content, f"messages[{i}]")})
-    ids = tokenizer.encode_chat(chat)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise invalid("stream_options: Input should be an object", "stream_options")
+    if opts is not None and not isinstance(opts.get("include_usage", False), bool):
+        raise invalid("stream_options.include_usage: Input should be a valid boolean", "stream_options")
     seed = get_int(body, "seed")
-    return GenerationSpec(
-        prompt_ids=ids,
-        max_tokens=max_tokens if max_tokens is not None else max(1, max_seq - len(ids) + 1),
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise invalid("seed: Input should be a 64-bit integer", "seed")
+    spec = GenerationSpec(
+        prompt_ids=[],
+        max_tokens=max_tokens if max_tokens is not None else 0,  # 0: the rest of the context (fit_context)
         stream=get_bool(body, "stream"),
         temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
         top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
-        seed=seed if seed is not None else secrets.randbits(63),
+        # the ring carries a u64: a negative seed is its two's complement, still one seed per value
+        seed=seed % 2**64 if seed is not None else secrets.randbits(63),
         stop_sequences=get_stops(body.get("stop"), "stop", 4),
         include_usage=bool(opts and opts.get("include_usage")),
     )
+    return spec, ChatPrompt(chat)
 
 
 def error_body(e: ApiError) -> bytes:

@@ -1,14 +1,16 @@
 """The engine: the one process that owns the executor. It drains the request ring, runs prefill and
 decode steps, and pushes every token to the result ring the moment it exists.
 
-    ingress ──push──▶ request ring ──▶ engine (executor: cuda | cpu interpreter | reference)
+    ingress ──push──▶ request ring ──▶ engine (executor: cuda | cpu: the native kernel | interpret | reference)
     ingress ◀──pop─── result ring  ◀──┘
 
 The kernel is batch 1 (one sequence, one KV cache), so requests run one at a time, first come first
 served: FIFO is the fair order when nothing can run side by side, and no request waits behind one
 that arrived later. Requests waiting beyond ``max_queue`` are answered at once with an OVERLOADED
 error result instead of growing a queue without limit. A CANCEL request (client gone, stop sequence
-matched) drops a waiting request or stops the running one between two tokens.
+matched) drops a waiting request or stops the running one between two tokens. A PING request is
+answered with a PONG result at the start of the next step: the ingress's supervisor (supervisor.py)
+pings an idle engine so that a stopped or wedged one is noticed even when no request is running.
 
 Wake-ups go through two eventfds next to the rings (ingress → engine after a push, engine → ingress
 after results): the idle side sleeps in the kernel instead of spinning on a 2-core machine, and
@@ -43,6 +45,9 @@ class EngineError(enum.IntEnum):
     BAD_REQUEST = 2  # the executor refused the prompt (too long, token outside the vocabulary)
     INTERNAL = 3  # the executor failed
     CANCELLED = 4  # a CANCEL request stopped it
+    # Never sent by the engine: the ingress ends a request with it when the engine is lost (exited,
+    # hung) or the server shuts down before the request finished. The same number as the frame code.
+    UNAVAILABLE = 8
 
 
 @dataclass
@@ -107,7 +112,9 @@ class Engine:
     def _take_requests(self) -> int:
         got = self.region.requests.pop_many(256)
         for r in got:
-            if r.flags & RequestFlag.CANCEL:
+            if r.flags & RequestFlag.PING:
+                self._emit(r.request_id, 0, ResultFlag.PONG | ResultFlag.LAST)
+            elif r.flags & RequestFlag.CANCEL:
                 self._cancel(r.request_id)
             elif len(self.waiting) >= self.max_queue:
                 self._fail(r.request_id, EngineError.OVERLOADED)
@@ -129,7 +136,10 @@ class Engine:
 
     def _start(self, r: Request) -> None:
         stops = self.eos
-        tokens = self.session.stream(list(r.tokens), r.max_tokens, eos=sorted(stops), temperature=r.temperature,
+        # top_p 0 keeps only the most likely token: greedy (a nucleus of no mass would be empty). The
+        # slot's f32 also turns a tiny top_p into 0.
+        temperature = r.temperature if r.top_p > 0.0 else 0.0
+        tokens = self.session.stream(list(r.tokens), r.max_tokens, eos=sorted(stops), temperature=temperature,
                                      top_p=r.top_p, seed=r.seed)
         self.running = _Running(r, tokens, stops=stops)
 
@@ -224,7 +234,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zlc.runtime.serve.engine", description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--region", required=True, help="shared-memory name of the ring region")
     ap.add_argument("--request-fd", type=int, required=True)
     ap.add_argument("--result-fd", type=int, required=True)
@@ -245,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         from zlc.runtime.loader import load
 
         bundle = load(args.bundle)
-        session = bundle.session(args.device)
+        session = bundle.session(args.device, threads=args.threads)
         region = RingRegion.attach(args.region)
-        if args.device == "cpu":  # warm the interpreter (first launch imports and traces)
+        if args.device == "interpret":  # warm the interpreter (first launch imports and traces)
             list(session.stream([0], 1))
     except Exception as e:
         ready.write(f"error: {e}\n")
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server stops us (Ctrl-C reaches the whole group)
     ready.write("ready\n")
-    ready.flush()  # kept open until exit: its EOF tells the server the engine is gone
+    ready.close()  # the server watches this process through a pidfd, not this pipe
 
     def parent_alive() -> None:
         if os.getppid() != parent:

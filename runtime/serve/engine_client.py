@@ -1,6 +1,13 @@
-"""The ingress side of the engine: starts the engine process, owns the ring region and the two
-eventfds, submits requests and routes each result to the handler of its request id, from the
-asyncio loop (results are drained when the engine's eventfd becomes readable: no polling thread).
+"""The ingress side of one engine process: starts it, owns the ring region and the two eventfds,
+submits requests and routes each result to the handler of its request id, from the asyncio loop
+(results are drained when the engine's eventfd becomes readable: no polling thread).
+
+One EngineClient is one engine's life: when that engine exits or hangs, the supervisor
+(supervisor.py) ends its requests, closes it and starts a new client with fresh rings, so nothing
+an engine left half-written in its rings can reach the next one.
+
+The client also keeps what the supervisor's watchdog needs: when the engine last produced
+anything (``last_progress``) and since when something has been owed (``owed_since``).
 """
 
 from __future__ import annotations
@@ -8,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -16,8 +24,9 @@ from typing import Protocol
 
 from zlc.errors import ZlcError
 
-from .engine import EngineError
 from .rings import Request, RequestFlag, ResultFlag, RingRegion
+
+PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
 
 
 class ResultHandler(Protocol):
@@ -34,95 +43,154 @@ class EngineClient:
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
         self.handlers: dict[int, ResultHandler] = {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self._life_fd = -1  # read end of a pipe the engine holds open: EOF when it exits
-        self._next_id = 1
-        self.dead = False
-        self._on_dead: Callable[[], None] | None = None
+        self._pidfd = -1  # readable when the engine exits (pidfd_open): no SIGCHLD handler, no polling
+        self.exited = False
+        self.closed = False
+        self.last_progress = time.monotonic()  # the engine's last result of any kind
+        self.owed_since: float | None = None  # when the oldest unanswered request or ping was sent
+        self.ping_pending = False
+        self._on_exit: Callable[[int | None], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifetime
 
     def start(self, timeout_s: float = 600.0) -> None:
-        """Starts the engine and waits until it has loaded the bundle (blocking)."""
+        """Starts the engine and waits until it has loaded the bundle (blocking: run it off the loop)."""
         r, w = os.pipe()
         cmd = [sys.executable, "-m", "zlc.runtime.serve.engine", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
                "--spin-us", str(self.spin_us), "--threads", str(self.threads)]
-        self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w), stdin=subprocess.DEVNULL)
+        # Its own process group: killing a hung engine takes the executor's worker processes along.
+        self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w), stdin=subprocess.DEVNULL,
+                                     process_group=0)
         os.close(w)
-        line = b""
-        deadline = time.monotonic() + timeout_s
-        while not line.endswith(b"\n"):
-            got, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
-            if not got:
-                self.close()
-                raise ZlcError(f"the engine did not load {self.bundle} within {timeout_s:.0f} s")
-            chunk = os.read(r, 4096)
-            if not chunk:
-                break
-            line += chunk
+        self._pidfd = os.pidfd_open(self.proc.pid)
+        try:
+            line = b""
+            deadline = time.monotonic() + timeout_s
+            while not line.endswith(b"\n"):
+                got, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+                if not got:
+                    self.close()
+                    raise ZlcError(f"the engine did not load {self.bundle} within {timeout_s:.0f} s")
+                chunk = os.read(r, 4096)
+                if not chunk:
+                    break
+                line += chunk
+        finally:
+            os.close(r)
         text = line.decode(errors="replace").strip()
         if text != "ready":
-            os.close(r)
             self.close()
             raise ZlcError(f"the engine failed to start: {text.removeprefix('error: ') or 'it exited'}")
-        self._life_fd = r
+        self.last_progress = time.monotonic()
 
-    def attach(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[], None]) -> None:
-        self._loop, self._on_dead = loop, on_dead
+    def attach(self, loop: asyncio.AbstractEventLoop, on_exit: Callable[[int | None], None]) -> None:
+        """Routes results on `loop`; `on_exit(status)` runs once the engine has exited (reaped)."""
+        self._loop, self._on_exit = loop, on_exit
         loop.add_reader(self.result_fd, self._drain)
-        loop.add_reader(self._life_fd, self._engine_exited)
+        loop.add_reader(self._pidfd, self._engine_exited)
 
-    def close(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            for fd in (self.result_fd, self._life_fd):
-                if fd >= 0:
-                    self._loop.remove_reader(fd)
+    def kill(self) -> None:
+        """SIGKILL the engine's process group (a hung engine: SIGKILL also ends a stopped one)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
             try:
-                self.proc.wait(10)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stops the engine (SIGTERM, then SIGKILL after `grace_s`), reaps it, frees the rings. The
+        handlers still registered hear nothing more: end them first (fail_all). Blocks up to
+        `grace_s`; from another thread, detach() first. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.detach()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped engine must run to see its SIGTERM
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for fd in (self.request_fd, self.result_fd, self._life_fd):
+                self.kill()
+                proc.wait()
+        for fd in (self.request_fd, self.result_fd, self._pidfd):
             if fd >= 0:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        self.request_fd = self.result_fd = self._life_fd = -1
+        self.request_fd = self.result_fd = self._pidfd = -1
+        self.handlers.clear()
         self.region.close()
+
+    def detach(self) -> None:
+        """Stops watching the engine from the loop (on the loop's thread: before close() runs in
+        another thread)."""
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in (self.result_fd, self._pidfd):
+                if fd >= 0:
+                    self._loop.remove_reader(fd)
+            self._loop = None
 
     # -- requests
 
-    def new_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+    @property
+    def usable(self) -> bool:
+        return not (self.exited or self.closed)
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
         """Queues the request; False when the request ring is full or the engine is gone (the
         caller answers "overloaded" / "unavailable")."""
-        if self.dead or not self.region.requests.push(request):
+        if not self.usable or not self.region.requests.push(request):
             return False
+        if self.owed_since is None:
+            self.owed_since = time.monotonic()
         self.handlers[request.request_id] = handler
         os.eventfd_write(self.request_fd, 1)
         return True
 
     def cancel(self, request_id: int) -> None:
         """Frees the request's slot in the engine; its handler hears nothing more."""
-        if self.handlers.pop(request_id, None) is None or self.dead:
+        if self.handlers.pop(request_id, None) is None or not self.usable:
             return
+        self._owed_changed()
         if not self.region.requests.push(Request(request_id, [], 0, flags=RequestFlag.CANCEL)):
             # Ring full: the engine is far behind; the request finishes and its results are dropped.
             return
         os.eventfd_write(self.request_fd, 1)
 
+    def ping(self) -> None:
+        """Asks the engine for a PONG (liveness of an idle engine); one at a time."""
+        if self.ping_pending or not self.usable:
+            return
+        if self.region.requests.push(Request(PING_ID, [], 0, flags=RequestFlag.PING)):
+            self.ping_pending = True
+            if self.owed_since is None:
+                self.owed_since = time.monotonic()
+            os.eventfd_write(self.request_fd, 1)
+
+    def fail_all(self, code: int) -> int:
+        """Ends every request in flight with an ERROR|LAST result carrying `code`; returns how many."""
+        pending, self.handlers = self.handlers, {}
+        for h in pending.values():
+            h.on_result(int(code), ResultFlag.ERROR | ResultFlag.LAST, 0)
+        self._owed_changed()
+        return len(pending)
+
     @property
     def in_flight(self) -> int:
         return len(self.handlers)
+
+    def _owed_changed(self) -> None:
+        if not self.handlers and not self.ping_pending:
+            self.owed_since = None
 
     def _drain(self) -> None:
         try:
@@ -133,7 +201,14 @@ class EngineClient:
         raw = self.region.results.raw
         while True:
             batch = raw.pop_many(1024)
+            if batch:
+                self.last_progress = time.monotonic()
+                if self.owed_since is not None:
+                    self.owed_since = self.last_progress  # what is still owed is owed from now on
             for rid, token, flags, t_ns in batch:
+                if rid == PING_ID and flags & ResultFlag.PONG:
+                    self.ping_pending = False
+                    continue
                 h = handlers.get(rid)
                 if h is None:
                     continue  # cancelled: dropped
@@ -141,17 +216,13 @@ class EngineClient:
                     del handlers[rid]
                 h.on_result(token, flags, t_ns)
             if len(batch) < 1024:
+                self._owed_changed()
                 return
 
     def _engine_exited(self) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(self._life_fd)
         self._drain()  # what it produced before it went
-        self.dead = True
-        pending, self.handlers = self.handlers, {}
-        for h in pending.values():
-            h.on_result(int(EngineError.INTERNAL), ResultFlag.ERROR | ResultFlag.LAST, 0)
-        code = self.proc.poll() if self.proc is not None else None
-        print(f"zlc serve: the engine exited (status {code}); answering 503 until restarted", file=sys.stderr)
-        if self._on_dead is not None:
-            self._on_dead()
+        self.exited = True
+        self.detach()
+        status = self.proc.wait() if self.proc is not None else None  # reaped: no zombie
+        if self._on_exit is not None:
+            self._on_exit(status)

@@ -3,6 +3,13 @@ keep-alive, pipelining (requests on one connection answered in order), chunked s
 and the limits a public endpoint needs: header size, body size (413), a deadline for a request to
 arrive completely (slowloris: 408 and close), and an idle keep-alive timeout.
 
+What RFC 9110/9112 ask of a server that llhttp leaves to its user: ``Expect: 100-continue`` gets
+its ``100 Continue`` (once the earlier responses on the connection are out), any other expectation
+417; a transfer coding other than a lone ``chunked`` gets 501; an ``Upgrade`` request is served as
+if it had no Upgrade header (a server may ignore it) and the connection then closes, since llhttp
+hands over the bytes after its head as another protocol's. ``drain()`` lets a connection finish
+what it is answering and close instead of waiting for another request (graceful shutdown).
+
 The application sees an ``HttpRequest`` and answers through the ``HttpConnection``: ``respond()``
 for a whole body, or ``write_stream()`` calls for a stream (the last with ``end=True``). Exactly one
 response per request; the next pipelined request is dispatched when it ends.
@@ -12,16 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
 
-REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found",
-           405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Payload Too Large",
-           431: b"Request Header Fields Too Large", 429: b"Too Many Requests", 500: b"Internal Server Error",
-           503: b"Service Unavailable", 529: b"Overloaded"}
+REASONS = {100: b"Continue", 200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
+           404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Payload Too Large",
+           417: b"Expectation Failed", 431: b"Request Header Fields Too Large", 429: b"Too Many Requests",
+           500: b"Internal Server Error", 501: b"Not Implemented", 503: b"Service Unavailable", 529: b"Overloaded"}
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 @dataclass
@@ -72,6 +81,12 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = False  # between a message's first byte and its headers' end
         self._head_raw = 0  # bytes received for that head (after the read it began in)
         self._error_after: tuple[int, bytes] | None = None  # a parse error owed after earlier answers
+        self._codings: list[bytes] = []  # Transfer-Encoding values of the message being parsed
+        self._continue_owed = False  # Expect: 100-continue, to send once earlier answers are out
+        self._upgrade = False  # the message asked for an Upgrade: answered as plain HTTP, then closed
+        self._upgrade_req: HttpRequest | None = None  # an Upgrade request whose body is still arriving
+        self._upgrade_need = 0
+        self.draining = False
 
     # -- asyncio.Protocol
 
@@ -84,6 +99,10 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._error_after is not None:
             return
+        if self._upgrade:  # past an Upgrade request's head: only its body is still ours
+            self._upgrade_body(data)
+            return
+        i, piece = 0, data
         try:
             # httptools buffers a header line until it ends, unseen by on_header: bound the bytes of
             # a head still arriving here (fed in slices, so a big read is counted to within a slice)
@@ -98,8 +117,8 @@ class HttpConnection(asyncio.Protocol):
                         return
                 if self.closed or self._error_after is not None:
                     return
-        except httptools.HttpParserUpgrade:
-            self._fail_and_close(400, b"protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as e:
+            self._upgrade_body(data[i + int(e.args[0]):])
         except httptools.HttpParserError as e:
             if not self.closed:
                 self._fail_and_close(400, f"malformed HTTP request: {e}".encode())
@@ -129,7 +148,10 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header(len(name) + len(value))
-        self._headers[name.lower()] = value
+        lower = name.lower()
+        self._headers[lower] = value
+        if lower == b"transfer-encoding":
+            self._codings += [c.strip().lower() for c in value.split(b",") if c.strip()]
 
     def _count_header(self, n: int) -> None:
         self._header_bytes += n
@@ -138,6 +160,7 @@ class HttpConnection(asyncio.Protocol):
             raise httptools.HttpParserError("headers too large")  # stop parsing this buffer
 
     def on_body(self, body: bytes) -> None:
+        self._continue_owed = False  # the client did not wait for it
         self._body_bytes += len(body)
         if self._body_bytes > self.limits.max_body_bytes:
             self._fail_and_close(413, f"request body exceeds {self.limits.max_body_bytes} bytes".encode())
@@ -146,18 +169,42 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        codings, self._codings = self._codings, []
+        if codings and codings != [b"chunked"]:
+            self._fail_and_close(501, b"transfer coding " + b", ".join(codings)
+                                 + b" is not supported (only chunked)")
+            raise httptools.HttpParserError("unsupported transfer coding")
         length = self._headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             self._fail_and_close(413, f"request body exceeds {self.limits.max_body_bytes} bytes".encode())
             raise httptools.HttpParserError("body too large")
+        if self.parser.should_upgrade():
+            self._upgrade = True
+            if codings:
+                self._fail_and_close(400, b"an Upgrade request with a chunked body is not supported")
+                raise httptools.HttpParserError("chunked upgrade")
+            self._upgrade_need = int(length) if length is not None and length.isdigit() else 0
+        expect = self._headers.get(b"expect")
+        if expect is not None:
+            if expect.strip().lower() != b"100-continue":
+                self._fail_and_close(417, b"the only expectation supported is 100-continue")
+                raise httptools.HttpParserError("expectation failed")
+            if self.parser.get_http_version() != "1.0":
+                self._continue_owed = True
+                self._send_continue()
 
     def on_message_complete(self) -> None:
-        import time
-
         self._in_message = False
+        self._continue_owed = False
         req = HttpRequest(self.parser.get_method(), self._url.split(b"?", 1)[0], self._headers,
-                          b"".join(self._body), self.parser.should_keep_alive(),
+                          b"".join(self._body), self.parser.should_keep_alive() and not self._upgrade,
                           self.parser.get_http_version() == "1.0", time.monotonic_ns())
+        if self._upgrade and self._upgrade_need:  # llhttp stops at the head: the body comes to _upgrade_body
+            self._upgrade_req = req
+            return
+        self._accept(req)
+
+    def _accept(self, req: HttpRequest) -> None:
         if self.active is None:
             self._disarm()
             self._dispatch(req)
@@ -166,6 +213,31 @@ class HttpConnection(asyncio.Protocol):
             if len(self.queue) >= self.limits.max_pipelined and not self._paused and self.transport:
                 self.transport.pause_reading()
                 self._paused = True
+
+    def _upgrade_body(self, data: bytes) -> None:
+        """Bytes after an Upgrade request's head: its Content-Length body, then nothing we read."""
+        req = self._upgrade_req
+        if req is None:
+            return
+        take = data[:self._upgrade_need - len(req.body)]
+        req.body += take
+        if len(req.body) >= self._upgrade_need:
+            self._upgrade_req = None
+            req.t_ns = time.monotonic_ns()
+            self._accept(req)
+
+    def _send_continue(self) -> None:
+        """100 Continue for the message being received, unless answers to earlier ones are still
+        going out (then _finish sends it when they are)."""
+        if self._continue_owed and self.active is None and not self.queue and self.transport is not None:
+            self._continue_owed = False
+            self.transport.write(CONTINUE)
+
+    def drain(self) -> None:
+        """Graceful shutdown: an idle connection closes now; a busy one after its current answers."""
+        self.draining = True
+        if self.active is None and not self.queue and not self._in_message:
+            self.close()
 
     # -- dispatch and responses
 
@@ -196,7 +268,7 @@ class HttpConnection(asyncio.Protocol):
         req = self.active
         if req is None or self.transport is None or self.closed:
             return
-        keep = req.keep_alive
+        keep = self._keep(req)
         self.transport.write(self._head(status, content_type, keep, len(body)) + headers + b"\r\n" + body)
         self._finish(keep)
 
@@ -210,7 +282,7 @@ class HttpConnection(asyncio.Protocol):
         out = b""
         if not self.streaming:
             self.streaming = True
-            out = self._head(200, b"text/event-stream", req.keep_alive and not req.http10, None)
+            out = self._head(200, b"text/event-stream", self._keep(req) and not req.http10, None)
             out += b"cache-control: no-cache\r\n" + headers
             out += b"\r\n" if req.http10 else b"transfer-encoding: chunked\r\n\r\n"
         if data:
@@ -220,9 +292,14 @@ class HttpConnection(asyncio.Protocol):
                 out += b"0\r\n\r\n"
             self.transport.write(out)
             self.streaming = False
-            self._finish(req.keep_alive and not req.http10)
+            self._finish(self._keep(req) and not req.http10)
         else:
             self.transport.write(out)
+
+    def _keep(self, req: HttpRequest) -> bool:
+        """Keep the connection after this response? Not when draining, unless requests that came
+        in before the drain still wait behind it (they are answered, the last with a close)."""
+        return req.keep_alive and (not self.draining or bool(self.queue))
 
     def _chunk(self, data: bytes) -> bytes:
         assert self.active is not None
@@ -242,6 +319,10 @@ class HttpConnection(asyncio.Protocol):
         if self._error_after is not None:
             self._write_error_and_close(*self._error_after)
             return
+        if self.draining and not self._in_message:
+            self.close()
+            return
+        self._send_continue()
         if self._paused and self.transport is not None:
             self.transport.resume_reading()
             self._paused = False

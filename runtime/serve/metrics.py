@@ -50,7 +50,7 @@ class ApiMetrics:
 
 class ServerMetrics:
     def __init__(self, queue_depth: Callable[[], float], request_ring: Callable[[], float],
-                 result_ring: Callable[[], float]):
+                 result_ring: Callable[[], float], engine_up: Callable[[], float] = lambda: 1.0):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("zlc_requests", "Requests answered, by API and outcome", ["api", "outcome"], registry=r)
@@ -68,6 +68,13 @@ class ServerMetrics:
               registry=r).set_function(self.rate.rate)
         Gauge("zlc_queue_depth", "Requests submitted to the engine and not finished (running + waiting)",
               registry=r).set_function(queue_depth)
+        self.engine_restarts = Counter("zlc_engine_restarts", "Engine restarts after it was lost, by why "
+                                       "(exited: it died; hung: no progress within --step-deadline)", ["reason"],
+                                       registry=r)
+        for reason in ("exited", "hung"):
+            self.engine_restarts.labels(reason)  # present (at 0) from the start, for rate() and alerts
+        Gauge("zlc_engine_up", "1 while the engine takes requests, 0 while it is being restarted or has failed",
+              registry=r).set_function(lambda: float(engine_up()))
         ring = Gauge("zlc_ring_occupancy", "Slots in use in the shared-memory rings", ["ring"], registry=r)
         ring.labels("request").set_function(request_ring)
         ring.labels("result").set_function(result_ring)

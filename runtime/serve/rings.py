@@ -55,6 +55,7 @@ class RequestFlag(enum.IntFlag):
     chunks and is refused on push)."""
 
     CANCEL = 1  # stop the request with this id (its prompt is empty); reserved for zlc serve
+    PING = 2  # answer with a PONG result (no prompt): zlc serve's liveness check of an idle engine
 
 
 class ResultFlag(enum.IntFlag):
@@ -63,6 +64,7 @@ class ResultFlag(enum.IntFlag):
     EOS = 1  # the token is an end-of-sequence token
     ERROR = 2  # the request failed; token is meaningless
     LAST = 4  # no more results for this request id (EOS, max_tokens, error or cancel)
+    PONG = 8  # the answer to a PING request
 
 
 @dataclass(slots=True)

@@ -94,7 +94,7 @@ def run_client(cli_ns: str, tmp: Path, jobs: dict[str, Any]) -> dict[str, Any]:
 
 def start(server_process: Any, bundle: Path, netns: tuple[str, str, str], *args: str) -> Any:
     srv, _, veth = netns
-    return server_process(bundle, "--device", "reference", "--host", SERVER_IP, "--xdp", veth, "--api-key", "k",
+    return server_process(bundle, "--device", "reference", "--host", SERVER_IP, "--xdp", veth, "--insecure-frames",
                           *args, prefix=("ip", "netns", "exec", srv), ports=("--port", "0", "--udp-port", str(PORT)))
 
 

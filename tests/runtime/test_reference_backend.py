@@ -1,10 +1,8 @@
 """The `reference` executor (runtime/reference_backend.py): a bundle's IR on its packed weights,
-run by the torch reference executor. Compared with the megakernel in Triton's interpreter (the
-`cpu` device) and with ONNX Runtime: greedy tokens, prefill and decode logits, a bf16 bundle,
-prompts spanning several launches, tied weights (every name of a shared constant is placed), a
-model without transformer layers (empty cache), and the error for a constant the placement lacks.
-
-The interpreter costs ~0.1-0.7 s per launch here, so each bundle gets one short `cpu` run."""
+run by the torch reference executor. Compared with the megakernel (the `cpu` device: the native C
+kernel) and with ONNX Runtime: greedy tokens, prefill and decode logits, a bf16 bundle, prompts
+spanning several launches, tied weights (every name of a shared constant is placed), a model
+without transformer layers (empty cache), and the error for a constant the placement lacks."""
 
 from __future__ import annotations
 

@@ -1,9 +1,15 @@
-"""Socket helpers shared by the serve tests (a module, not a conftest: plain functions)."""
+"""Socket and process helpers shared by the serve tests (a module, not a conftest: plain functions)."""
 
 from __future__ import annotations
 
+import glob
+import json
 import socket
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 
 def closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -19,3 +25,68 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     except ConnectionResetError:
         return True
     return False
+
+
+def engine_pid(server: Any) -> int:
+    """The pid of the server's engine process (a child of the ingress, started from a thread)."""
+    for children in glob.glob(f"/proc/{server.proc.pid}/task/*/children"):
+        for pid in open(children).read().split():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except FileNotFoundError:
+                continue
+            if b"zlc.runtime.serve.engine" in cmdline:
+                return int(pid)
+    raise AssertionError("the server has no engine process")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, T, Z...), None if it is gone (reaped)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def get(server: Any, path: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+    """(status, body: parsed JSON when it is JSON) of GET `path`."""
+    req = urllib.request.Request(server.base_url + path, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, body, ctype = r.status, r.read(), r.headers.get("content-type", "")
+    except urllib.error.HTTPError as e:
+        status, body, ctype = e.code, e.read(), e.headers.get("content-type", "")
+    return status, json.loads(body) if ctype.startswith("application/json") else body.decode()
+
+
+def health(server: Any) -> tuple[int, dict[str, Any]]:
+    status, body = get(server, "/health")
+    return status, dict(body)
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 60.0, every: float = 0.05) -> None:
+    """Polls `cond` until it holds; AssertionError naming `what` after `timeout` (a bound on hangs,
+    not a speed requirement)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(every)
+
+
+def metric(server: Any, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, from /metrics."""
+    import re
+
+    status, text = get(server, "/metrics", headers)
+    assert status == 200, (status, text)
+    total = 0.0
+    for line in str(text).splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if m is None or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total

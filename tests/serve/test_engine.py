@@ -1,5 +1,6 @@
 """The engine loop in-process over real rings and the bundle's reference executor: FIFO order,
-overload answers, cancellation of waiting and running requests, bad prompts, and a Hypothesis run
+overload answers, cancellation of waiting and running requests, bad prompts, the supervisor's
+PING, top_p 0, and a Hypothesis run
 of random submit/cancel/step interleavings against a model of what each request must receive."""
 
 from __future__ import annotations
@@ -99,6 +100,28 @@ def test_bad_prompt_is_an_error_result(session: Any, bundle: Any) -> None:
     out = run_until_idle(e)
     assert (1, EngineError.BAD_REQUEST, ResultFlag.ERROR | ResultFlag.LAST) in out
     assert [r for r, _, f in out if f & ResultFlag.LAST] == [1, 2]  # and it goes on serving
+    e.region.close()
+
+
+def test_ping_is_answered_with_a_pong(session: Any, bundle: Any, expected: list[list[int]]) -> None:
+    """The supervisor's liveness check: a PING gets one PONG|LAST at the next step, even behind a
+    running request, which goes on undisturbed."""
+    e = make(session, bundle)
+    e.region.requests.push(Request(1, PROMPTS[0], 5))
+    e.step()
+    e.region.requests.push(Request(0, [], 0, flags=RequestFlag.PING))
+    out = run_until_idle(e)
+    assert (0, 0, ResultFlag.PONG | ResultFlag.LAST) in out
+    assert [t for r, t, _ in out if r == 1] == expected[0]
+    e.region.close()
+
+
+def test_top_p_0_is_greedy(session: Any, bundle: Any, expected: list[list[int]]) -> None:
+    """temperature 1 with top_p 0 keeps the most likely token only: the greedy reply, not an error."""
+    e = make(session, bundle)
+    e.region.requests.push(Request(1, PROMPTS[0], 5, temperature=1.0, top_p=0.0, seed=7))
+    out = run_until_idle(e)
+    assert [t for r, t, f in out if r == 1 and not f & ResultFlag.ERROR] == expected[0]
     e.region.close()
 
 

@@ -221,7 +221,8 @@ def test_interpreter_executor_equals_zlc_run(start_server: Any, chat_bundle: Pat
 
 
 def test_warns_when_exposed_without_key(start_server: Any) -> None:
-    s = start_server("--device", "reference", "--host", "0.0.0.0")
+    # (--insecure-frames: the fixture's frame ports beyond loopback need it without a key)
+    s = start_server("--device", "reference", "--host", "0.0.0.0", "--insecure-frames")
     assert s.host == "0.0.0.0"
     assert "WARNING: listening on 0.0.0.0 without --api-key" in s.stop()
 
@@ -232,7 +233,7 @@ def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
     import socket
     import time
 
-    s = start_server("--device", "cpu")
+    s = start_server("--device", "interpret")
     body = json.dumps({"model": MODEL, "max_tokens": 40, "stream": True, "messages": msgs()}).encode()
     raw = socket.create_connection((s.host, s.port), timeout=60)
     raw.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -252,7 +253,7 @@ def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (("--xdp", "zlc-nosuchif0"), "--xdp needs --udp-port"),
-    (("--xdp", "zlc-nosuchif0", "--udp-port", "0"),
+    (("--xdp", "zlc-nosuchif0", "--udp-port", "0", "--insecure-frames"),
      "no such network interface" if os.geteuid() == 0 else "--xdp needs root"),
 ])
 def test_xdp_option_errors_are_one_line(chat_bundle: Path, args: tuple[str, ...], message: str) -> None:

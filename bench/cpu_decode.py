@@ -1,0 +1,447 @@
+"""CPU batch-1 latency of zlc's native megakernel against its peers, same machine, same run:
+time to first token (TTFT) for a 37-token chat prompt and decode speed over 64 tokens, for
+SmolLM2-135M-Instruct, greedy, one request at a time.
+
+    python bench/cpu_decode.py                       # every engine, 5 timed rounds each (a few minutes)
+    python bench/cpu_decode.py --rounds 9 --threads 2 --json out.json --markdown
+
+Engines, each in its own child process, measured interleaved: after one warm-up round each,
+--rounds rounds of every engine in an order that rotates each round, --pause seconds apart (so the
+previous engine's threads have stopped spinning), so that the load of a shared machine falls on all
+of them alike. A peer whose package is missing is skipped and the table says so:
+- zlc native f32 / bf16: bundles compiled here by `zlc compile --dtype fp32|bf16 --tokenizer GGUF`
+  (cached in --workdir), run by the native C kernel (`session("cpu", threads=N)`);
+- transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
+  eager attention, `torch.set_num_threads(N)`, a manual KV-cache loop (no `generate` overhead);
+- onnxruntime-genai fp32: its model builder run offline on the same weights (the dequantized
+  model saved as a Hugging Face folder), CPU provider, intra-op threads N;
+- llama.cpp: llama-cpp-python (built from source, see docs/performance.md) on the GGUF itself
+  (Q4_1: the file the other engines' weights were dequantized from), n_threads N.
+
+Every engine gets the same prompt ids (the bundle's chat template) and decodes 64 tokens past EOS
+(onnxruntime-genai with min_length, the others by feeding tokens back); "answer = zlc f32" says
+whether an engine's greedy tokens begin with zlc f32's answer (its tokens before the end of turn). TTFT is the prompt's
+forward pass through the first greedy token; decode tok/s is 64 / the time of the 64 steps after
+it. The table shows medians over the rounds.
+
+The floor: bytes one decode step must read (weights in the engine's dtype, from the bundle's
+roofline, plus the f32 KV cache at ~70 positions; llama.cpp: the GGUF's size) over this machine's
+read bandwidth, measured here with a small C reader (one thread, and --threads threads; before and
+after the engines, the better of the two: a busy neighbour only ever lowers it). "of floor"
+is the engine's tok/s over the floor's tok/s at the --threads bandwidth. Ratios are peer / zlc bf16
+(TTFT: > 1 means zlc is faster; tok/s: < 1 means zlc is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NEW_TOKENS = 64
+ENGINES = ("zlc-f32", "zlc-bf16", "transformers", "ort-genai", "llama.cpp")
+
+
+# ---- machine bandwidth -----------------------------------------------------------------------------
+
+_BW_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+typedef float v __attribute__((vector_size(32)));
+static size_t N; static float *buf; static int NT;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static void *rd(void *a) {
+    long i = (long)a; size_t lo = N * i / NT / 32 * 32, hi = N * (i + 1) / NT / 32 * 32;
+    v s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    for (size_t k = lo; k < hi; k += 32) {
+        s0 += *(v *)(buf + k); s1 += *(v *)(buf + k + 8); s2 += *(v *)(buf + k + 16); s3 += *(v *)(buf + k + 24);
+    }
+    v s = s0 + s1 + s2 + s3;
+    return (void *)(long)(s[0] == 12345.0f);
+}
+int main(int argc, char **argv) {
+    NT = atoi(argv[1]); N = (size_t)atol(argv[2]) / 4;
+    buf = aligned_alloc(1 << 21, N * 4);
+    madvise(buf, N * 4, MADV_HUGEPAGE); /* as zlc's weights: 4 KiB pages cost bandwidth in TLB misses */
+    memset(buf, 1, N * 4);
+    double best = 0;
+    for (int rep = 0; rep < atoi(argv[3]); rep++) {
+        pthread_t th[256]; double t = now();
+        for (long i = 0; i < NT; i++) pthread_create(&th[i], 0, rd, (void *)i);
+        for (int i = 0; i < NT; i++) pthread_join(th[i], 0);
+        double gbs = N * 4 / (now() - t) / 1e9; if (gbs > best) best = gbs;
+    }
+    printf("%.2f\n", best);
+    return 0;
+}
+"""
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 29, reps: int = 7) -> float | None:
+    """Best read bandwidth (GB/s) of `threads` threads streaming a 512 MiB buffer, or None (no cc)."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "bw.c", Path(d) / "bw"
+        src.write_text(_BW_C)
+        subprocess.run([cc, "-O2", "-march=native", "-pthread", str(src), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe), str(threads), str(nbytes), str(reps)], capture_output=True, text=True,
+                             check=True).stdout
+    return float(out.strip())
+
+
+# ---- the engines (each runs in a child: `--engine NAME`) --------------------------------------------
+# An engine is set up once in its child (model load, session) as two calls: prefill() runs the
+# prompt and returns the first greedy token, step(token) one decode step. The child then answers
+# "round" lines on stdin with one timed round each, so the parent can interleave the engines.
+
+Engine = tuple[Callable[[], int], Callable[[int], int], dict[str, Any]]
+
+
+def _bundle(workdir: Path, dtype: str) -> Path:
+    import zlc
+    from zlc.testing import zoo
+
+    out = workdir / f"smollm2-{dtype}.zlc"
+    if not (out / "manifest.json").is_file():
+        zlc.compile(zoo.cached_smollm2(), targets=["cpu"], dtype=dtype, max_seq=512,
+                    tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2")
+    return out
+
+
+def prompt_ids(workdir: Path) -> list[int]:
+    import zlc
+    from zlc.testing import zoo
+
+    return list(zlc.load(_bundle(workdir, "bf16")).tokenizer.encode_chat(zoo.SMOLLM2_PROMPT))
+
+
+def setup_zlc(workdir: Path, dtype: str, ids: list[int], threads: int) -> Engine:
+    import zlc
+
+    b = zlc.load(_bundle(workdir, dtype))
+    t0 = time.perf_counter()
+    s = b.session("cpu", threads=threads)
+    roof = b.manifest["targets"]["cpu"]["roofline"]
+
+    def prefill() -> int:
+        s.reset()
+        return s.prefill(ids)[0]
+
+    return prefill, lambda t: s.step(t)[0], {
+        "session_start_s": round(time.perf_counter() - t0, 3), "level": s.backend.level,
+        "weight_bytes": roof["weight_bytes"], "kv_bytes_per_token": roof["kv_bytes_per_token"]}
+
+
+def setup_transformers(workdir: Path, ids: list[int], threads: int) -> Engine:
+    import torch
+
+    from zlc.testing.smollm2 import load_smollm2
+
+    torch.set_num_threads(threads)
+    model, _ = load_smollm2()
+    x = torch.tensor([ids])
+    state: dict[str, Any] = {}
+
+    @torch.inference_mode()
+    def prefill() -> int:
+        out = model(x, use_cache=True)
+        state["past"] = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def step(tok: int) -> int:
+        out = model(torch.tensor([[tok]]), past_key_values=state["past"], use_cache=True)
+        state["past"] = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+    return prefill, step, {}
+
+
+_GENAI_BUILD = r"""
+import sys
+hf_dir, out_dir, cache_dir = sys.argv[1:4]
+import onnxruntime_genai.models.builder as B
+extra = B.parse_extra_options(None, hf_dir, out_dir, "fp32", "cpu", cache_dir, [])
+B.create_model(None, hf_dir, out_dir, "fp32", "cpu", cache_dir, **extra)
+"""
+
+
+def _save_plain(model: Any, out: Path) -> None:
+    """A GGUF-loaded model refuses save_pretrained (it remembers its quantization); the same
+    dequantized weights in a fresh model of the same config save as a plain HF folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(out)
+
+
+def _genai_model(workdir: Path) -> Path:
+    out = workdir / "genai-fp32"
+    if (out / "genai_config.json").is_file():
+        return out
+    from zlc.testing.smollm2 import load_smollm2
+
+    model, tok = load_smollm2()
+    with tempfile.TemporaryDirectory() as d:
+        hf = Path(d) / "hf"
+        _save_plain(model, hf)
+        tok.save_pretrained(hf)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        subprocess.run([sys.executable, "-c", _GENAI_BUILD, str(hf), str(out), str(Path(d) / "cache")],
+                       env=env, check=True, capture_output=True, cwd=d)
+    return out
+
+
+def setup_genai(workdir: Path, ids: list[int], threads: int) -> Engine:
+    import onnxruntime_genai as og
+
+    path = _genai_model(workdir)
+    cfg_path = path / "genai_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    so["intra_op_num_threads"], so["inter_op_num_threads"] = threads, 1
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    model = og.Model(str(path))
+    state: dict[str, Any] = {}
+
+    def nxt() -> int:
+        g = state["g"]
+        g.generate_next_token()
+        return int(g.get_next_tokens()[0])
+
+    def prefill() -> int:
+        params = og.GeneratorParams(model)
+        n = len(ids) + NEW_TOKENS + 1
+        params.set_search_options(do_sample=False, max_length=n, min_length=n)  # past EOS, like the others
+        state["g"] = og.Generator(model, params)
+        state["g"].append_tokens(ids)  # the prompt's forward pass
+        return nxt()  # its greedy token
+
+    return prefill, lambda tok: nxt(), {}  # the generator feeds its own last token back
+
+
+def setup_llama_cpp(workdir: Path, ids: list[int], threads: int) -> Engine:
+    from llama_cpp import Llama
+
+    from zlc.testing.smollm2 import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
+    state: dict[str, Any] = {}
+
+    def prefill() -> int:
+        llm.reset()  # else generate() keeps the cached prompt prefix and evaluates one token
+        state["gen"] = llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)
+        return int(next(state["gen"]))
+
+    return prefill, lambda tok: int(next(state["gen"])), {"weight_bytes": gguf.stat().st_size}
+
+
+def setup(engine: str, workdir: Path, threads: int) -> Engine:
+    ids = prompt_ids(workdir)
+    if engine in ("zlc-f32", "zlc-bf16"):
+        return setup_zlc(workdir, "fp32" if engine == "zlc-f32" else "bf16", ids, threads)
+    return {"transformers": setup_transformers, "ort-genai": setup_genai,
+            "llama.cpp": setup_llama_cpp}[engine](workdir, ids, threads)
+
+
+def child(engine: str, workdir: Path, threads: int) -> None:
+    """Sets the engine up, says "ready" (with its facts), then one timed round per "round" line."""
+    prefill, step, info = setup(engine, workdir, threads)
+    print(json.dumps({"ready": True, **info}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            return
+        t0 = time.perf_counter()
+        seq = [prefill()]
+        t1 = time.perf_counter()
+        for _ in range(NEW_TOKENS):
+            seq.append(step(seq[-1]))
+        t2 = time.perf_counter()
+        print(json.dumps({"ttft_ms": round((t1 - t0) * 1e3, 2), "tok_s": round(NEW_TOKENS / (t2 - t1), 2),
+                          "tokens": seq[:16]}), flush=True)
+
+
+_NEEDS = {"transformers": "transformers", "ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp"}
+
+
+class Child:
+    """One engine's child process (None when its package is missing or it failed to start)."""
+
+    def __init__(self, engine: str, workdir: Path, threads: int):
+        import importlib.util
+
+        self.engine = engine
+        self.proc: subprocess.Popen[str] | None = None
+        self.result: dict[str, Any] = {}
+        mod = _NEEDS.get(engine)
+        if mod and importlib.util.find_spec(mod) is None:
+            self.result = {"skipped": f"{mod} is not installed"}
+            return
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", engine, "--workdir", str(workdir),
+                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        ready = self._line()
+        if ready is None:
+            self.result = {"skipped": f"failed: {self._error()}"}
+            return
+        self.result = {k: v for k, v in ready.items() if k != "ready"}
+        self.result.update(ttft_ms=[], tok_s=[])
+
+    def _line(self) -> dict[str, Any] | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return dict(json.loads(line))
+        return None
+
+    def _error(self) -> str:
+        assert self.proc is not None and self.proc.stderr is not None
+        self.proc.wait()
+        lines = self.proc.stderr.read().strip().splitlines()
+        self.proc = None
+        return lines[-1] if lines else "no output"
+
+    def round(self, timed: bool) -> None:
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        r = self._line()
+        if r is None:
+            self.result = {"skipped": f"failed: {self._error()}"}
+        elif timed:
+            self.result["ttft_ms"].append(r["ttft_ms"])
+            self.result["tok_s"].append(r["tok_s"])
+            self.result["tokens"] = r["tokens"]
+
+    def close(self) -> None:
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
+
+def measure(engines: list[str], workdir: Path, threads: int, rounds: int, pause_s: float) -> dict[str, Any]:
+    """Every engine set up in its child, one warm-up round each, then `rounds` rounds of all of
+    them in an order that rotates, `pause_s` apart (an engine's idle threads stop spinning)."""
+    children = []
+    for name in engines:
+        print(f"starting {name} ...", file=sys.stderr)
+        children.append(Child(name, workdir, threads))
+    try:
+        for r in range(rounds + 1):
+            k = r % len(children)
+            for c in children[k:] + children[:k]:
+                time.sleep(pause_s)
+                c.round(timed=r > 0)
+            print(f"round {r}/{rounds} done", file=sys.stderr)
+    finally:
+        for c in children:
+            c.close()
+    return {c.engine: c.result for c in children}
+
+
+# ---- the table -------------------------------------------------------------------------------------
+
+def _same_answer(tokens: list[int] | None, ref: list[int] | None) -> bool:
+    """Whether `tokens` begin with the reference's greedy answer: its tokens before the first end of
+    turn (<|im_end|>, id 2); after it every engine continues differently (onnxruntime-genai masks
+    EOS to reach 64 tokens)."""
+    if not tokens or not ref:
+        return False
+    answer = ref[:ref.index(2)] if 2 in ref else ref
+    return tokens[:len(answer)] == answer
+
+
+def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) -> str:
+    """The docs table: medians, the bandwidth floor, ratios to zlc bf16, token agreement."""
+    z = results.get("zlc-bf16", {})
+    f32 = results.get("zlc-f32", {})
+    kv = int(z.get("kv_bytes_per_token") or f32.get("kv_bytes_per_token") or 0) * 70  # ~70 positions
+    bwn = bw.get(f"threads_{threads}") or 0.0
+    wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "transformers": "f32", "ort-genai": "f32", "llama.cpp": "Q4_1"}
+    zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
+    zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
+    rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
+            "| TTFT p50 / zlc bf16 | tok/s p50 / zlc bf16 | answer = zlc f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ENGINES:
+        r = results.get(name) or {"skipped": "not run"}
+        if "skipped" in r:
+            rows.append(f"| {name} | {wdt[name]} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        ttft, tps = statistics.median(r["ttft_ms"]), statistics.median(r["tok_s"])
+        wb = r.get("weight_bytes") or f32.get("weight_bytes") or 0  # the f32 peers read zlc f32's bytes
+        nbytes = wb + kv
+        floor = bwn * 1e9 / nbytes if nbytes and bwn else 0.0
+        best = max(r["tok_s"])
+        cells = [f"{name}" + (f" ({r['level']})" if r.get("level") else ""), wdt[name],
+                 f"{ttft:.1f} ms (best {min(r['ttft_ms']):.1f})", f"{tps:.1f} tok/s (best {best:.1f})",
+                 f"{nbytes / 1e6:.0f} MB" if nbytes else "-",
+                 f"{floor:.0f} tok/s" if floor else "-", f"{tps / floor:.0%} ({best / floor:.0%})" if floor else "-",
+                 f"{ttft / zt:.2f}" if zt else "-", f"{tps / zs:.2f}" if zs else "-",
+                 "yes" if _same_answer(r.get("tokens"), f32.get("tokens")) else "no"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pause", type=float, default=0.5, help="seconds between two engines' rounds")
+    ap.add_argument("--workdir", type=Path, default=Path(os.environ.get("ZLC_BENCH_DIR", "out/bench-cpu")))
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", action="store_true", help="print the docs table")
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    if a.engine:
+        child(a.engine, a.workdir, a.threads)
+        return
+    for dt in ("fp32", "bf16"):
+        _bundle(a.workdir, dt)  # compiled before anything is timed
+    bw = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
+    print(f"read bandwidth: {bw}", file=sys.stderr)
+    results = measure(a.engines.split(","), a.workdir, a.threads, a.rounds, a.pause)
+    bw_after = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
+    bw = {k: max(v or 0.0, bw_after[k] or 0.0) or None for k, v in bw.items()}  # the better of before/after
+    print(f"read bandwidth (best of before and after): {bw}", file=sys.stderr)
+    report = {"threads": a.threads, "rounds": a.rounds, "bandwidth_gbs": bw, "results": results,
+              "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                           if ln.startswith("model name")), "?")}
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    print(table(results, bw, a.threads) if a.markdown else json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

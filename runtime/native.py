@@ -1,0 +1,234 @@
+"""The `cpu` executor: the bundle's native megakernel (native/<level>.so) on this process's cores.
+
+`zlc compile` builds the C kernel once per ISA level (codegen/native.py); this module picks the
+best level the host's CPU flags allow (`select_level`, read from /proc/cpuinfo), loads it with
+ctypes and drives it through the `Backend` protocol of runtime/megakernel.py. The library owns the
+worker threads: `zlc_native_create` starts `threads - 1` of them once per session (the calling
+thread is worker 0 during a launch), `zlc_native_launch` runs one prefill chunk or decode step and
+returns with every worker back at its idle wait. ctypes releases the GIL for the call.
+
+Why ctypes: four C functions, plain pointers and ints; no extension module to build per Python.
+Why no torch: the arenas are read as raw bytes (`read_safetensors`), so a server on this executor
+starts in well under a second and never imports torch.
+
+Threads default to the CPUs this process may run on (`os.sched_getaffinity`, which is what `zlc
+deploy`'s CPUAffinity= sets); `pin=True` pins worker i to the i-th of them, `pin=[cpus]` to a list.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zlc import bundle as fmt
+from zlc.errors import ZlcError
+from zlc.targets import ISA_LEVELS
+
+from .cuda_launch import read_safetensors
+
+ABI = 1  # codegen/native.py's ABI: the exported functions' signatures
+ERROR_FLAGS = {1: "a wait timed out", 2: "the table holds an op code this kernel does not know"}
+
+
+class NativeError(ZlcError):
+    """The native CPU kernel cannot run here: none built, the host's ISA, a library that fails to load."""
+
+
+@lru_cache(maxsize=1)
+def host_cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of this host (/proc/cpuinfo `flags`, or `Features` on ARM)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def host_level(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """This host in the levels' terms: its best x86-64 level, or its machine name."""
+    flags = host_cpu_flags() if flags is None else flags
+    machine = machine or platform.machine()
+    for lv in ISA_LEVELS:
+        if lv.machine == machine and set(lv.requires) <= flags:
+            return lv.name
+    return machine if machine != "x86_64" else "x86-64 below v2"
+
+
+def select_level(native: Mapping[str, Any], *, want: str | None = None, flags: frozenset[str] | None = None,
+                 machine: str | None = None) -> str:
+    """The best of the bundle's levels this host runs (the manifest lists them best first), or
+    `want` when the host runs it. One-line NativeError naming the bundle's and the host's levels."""
+    flags = host_cpu_flags() if flags is None else flags
+    machine = machine or platform.machine()
+    levels: Mapping[str, Any] = native.get("levels") or {}
+
+    def runs(info: Mapping[str, Any]) -> bool:
+        return str(info.get("machine")) == machine and set(info.get("requires", ())) <= flags
+
+    if want is not None:
+        if want not in levels:
+            raise NativeError(f"the bundle has no native kernel for {want} (it has {', '.join(levels) or 'none'})")
+        if not runs(levels[want]):
+            raise NativeError(f"the bundle's native kernel for {want} does not run on this host "
+                              f"({host_level(flags, machine)})")
+        return want
+    for name, info in levels.items():
+        if runs(info):
+            return str(name)
+    raise NativeError(f"the bundle's native CPU kernel is built for {', '.join(levels) or 'no level'}; this "
+                      f"host is {host_level(flags, machine)} and runs none of them (recompile the bundle "
+                      "on a host like this one, or use --device interpret or reference)")
+
+
+def native_entry(bundle: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The manifest's `native` entry, or a one-line NativeError saying why the bundle has none."""
+    native = manifest.get("native")
+    if not native:
+        raise NativeError(f"{bundle} has no native CPU kernel (compiled by an older zlc); recompile it, "
+                          "or use --device interpret or reference")
+    if native.get("skipped"):
+        raise NativeError(f"{bundle} has no native CPU kernel: `zlc compile` skipped it ({native['skipped']}); "
+                          "install a C compiler and recompile, or use --device interpret or reference")
+    return native  # type: ignore[no-any-return]
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.zlc_native_abi.restype = i32
+    lib.zlc_native_level.restype = ctypes.c_char_p
+    lib.zlc_native_create.restype = p
+    lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, p, i32, p, i32, i32]
+    lib.zlc_native_launch.restype = i32
+    lib.zlc_native_launch.argtypes = [p]
+    lib.zlc_native_destroy.restype = None
+    lib.zlc_native_destroy.argtypes = [p]
+
+
+def _cpus(pin: bool | Sequence[int]) -> list[int]:
+    if pin is True:
+        return sorted(os.sched_getaffinity(0))
+    if pin is False:
+        return []
+    return [int(c) for c in pin]  # type: ignore[union-attr]
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def _arena(n: int) -> np.ndarray:
+    """n zeroed f32 in anonymous memory asking for transparent huge pages, touched once: the first
+    prefill then does not pay ~25,000 page faults on the activations (SmolLM2: ~180 MB with the
+    KV cache), and the kernel's streaming over them misses the TLB less."""
+    nbytes = max(4 * n, 4)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled: plain pages
+            pass
+    a = np.frombuffer(mm, dtype=np.float32, count=n)
+    a[::1024] = 0.0  # one write per 4 KiB page faults every page in now
+    return a
+
+
+class NativeBackend:
+    """One bundle on this host's cores: a `Backend` for `MegakernelSession`.
+
+    `tables` replaces the native tiling's task tables (a safetensors file of tasks, desc_int,
+    desc_float: shuffled or broken tables in tests); `library` loads another build of the same
+    source (a ThreadSanitizer build in tests); `level` picks one of the bundle's ISA levels."""
+
+    def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, threads: int | None = None,
+                 pin: bool | Sequence[int] = False, debug: bool = False, tables: str | Path | None = None,
+                 level: str | None = None, library: str | Path | None = None):
+        self.bundle = Path(bundle)
+        if manifest is None:
+            manifest = fmt.read_manifest(self.bundle, check=True)
+        self._ctx: int | None = None
+        native = native_entry(self.bundle, manifest)
+        self.level = select_level(native, want=level) if library is None else (level or "custom")
+        path = Path(library) if library is not None else self.bundle / native["levels"][self.level]["library"]
+        try:
+            self.lib = ctypes.CDLL(str(path))
+            _bind(self.lib)
+        except (OSError, AttributeError) as e:
+            raise NativeError(f"cannot load the native kernel {path}: {e}") from e
+        if self.lib.zlc_native_abi() != ABI:
+            raise NativeError(f"{path} has kernel ABI {self.lib.zlc_native_abi()}, this zlc speaks {ABI}; recompile")
+        tiling = manifest["tilings"][native["tiling"]]
+        lay = tiling["layout"]
+        self.chunk = int(lay["chunk"])
+        t = read_safetensors(Path(tables) if tables else self.bundle / tiling["tables"])
+        self.TASKS = np.ascontiguousarray(t["tasks"][1], dtype=np.int32)
+        self.DI = np.ascontiguousarray(t["desc_int"][1], dtype=np.int64)
+        self.DF = np.ascontiguousarray(t["desc_float"][1], dtype=np.float32)
+        arenas = read_safetensors(self.bundle / manifest["weights"]["file"])
+        wdt = {"bf16": "BF16", "fp32": "F32"}[str(manifest["dtype"]["weights"])]
+        if arenas["W"][0] != wdt:
+            raise NativeError(f"{self.bundle}: W is {arenas['W'][0]}, the manifest says {wdt}")
+        W = arenas["W"][1].reshape(-1)  # memory-mapped; the library copies it into its own layout
+        self.P = np.array(arenas["P"][1].reshape(-1), dtype=np.float32)
+        self.A = _arena(int(lay["a_size"]))
+        self.CTRL = np.zeros(int(lay["ctrl_size"]), dtype=np.int32)
+        self.CNT = np.zeros(int(lay["counters_size"]), dtype=np.int32)
+        self.logits = lay["logits"]
+        cpus = np.array(_cpus(pin), dtype=np.int32)
+        self.threads = int(threads) if threads else len(os.sched_getaffinity(0))
+        if self.threads < 1:
+            raise NativeError(f"threads must be at least 1, got {threads}")
+        ctypes.set_errno(0)
+        ctx = self.lib.zlc_native_create(
+            _ptr(self.TASKS), _ptr(self.DI), _ptr(self.DF), self.DI.shape[0], _ptr(self.CTRL), _ptr(self.CNT),
+            _ptr(W), W.size, _ptr(self.P), _ptr(self.A), self.threads, _ptr(cpus) if cpus.size else None,
+            int(cpus.size), int(bool(debug)))
+        if not ctx:
+            err = ctypes.get_errno()
+            raise NativeError(f"the native kernel could not start a session ({os.strerror(err) if err else 'failed'})")
+        self._ctx = ctx
+        del W, arenas  # the file mapping: the library has its copy
+
+    def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
+               want_logits: bool) -> tuple[int, np.ndarray | None]:
+        if self._ctx is None:
+            raise NativeError("the native session is closed")
+        c = self.CTRL
+        c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST] = mode, len(ids), past
+        c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_ERROR], c[fmt.CTRL_AUTO_ADVANCE] = int(all_logits), 0, 0
+        c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = ids
+        flags = self.lib.zlc_native_launch(self._ctx)
+        if flags:
+            what = "; ".join(v for k, v in ERROR_FLAGS.items() if flags & k) or "unknown"
+            raise ZlcError(f"the megakernel raised error flags {flags} ({what})")
+        if self.CNT.any():
+            raise ZlcError("the megakernel did not reset its counters")
+        tok = int(c[fmt.CTRL_OUT_TOKEN])
+        if not want_logits:
+            return tok, None
+        lg = self.logits
+        rows = self.A[lg["offset"]:lg["offset"] + lg["rows"] * lg["cols"]].reshape(lg["rows"], lg["cols"])
+        sel = rows[:len(ids)] if all_logits else rows[len(ids) - 1:len(ids)]
+        return tok, sel.copy()
+
+    def close(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            self.lib.zlc_native_destroy(ctx)
+
+    def __del__(self) -> None:  # a forgotten session must not leave threads spinning
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,102 @@
+"""Shared by the native kernel's tests: the zoo families, the comparison with the oracle, and a
+writer of bundles whose native tiling is any `Program` (conftest.py holds the fixtures)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ATOL = 1e-4
+PROMPT = [1, 5, 9, 200, 17, 33, 2]
+MODELS = {  # id -> (zoo kind, family, opset): the families the megakernel tests use
+    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
+    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
+    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
+    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
+    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
+}
+
+
+class Built:
+    """A compiled bundle and the lowered model it came from (the oracle's input)."""
+
+    def __init__(self, path: Path, lowered: Any):
+        import zlc
+
+        self.path, self.lowered = path, lowered
+        self.manifest = zlc.load(path).manifest
+        self.vocab = int(self.manifest["model"]["vocab"])
+        self.max_seq = int(self.manifest["model"]["max_seq"])
+
+    def session(self, **kw: Any) -> Any:
+        """A MegakernelSession on the native kernel (NativeBackend keyword arguments)."""
+        from zlc.runtime.megakernel import MegakernelSession
+        from zlc.runtime.native import NativeBackend
+
+        nb = NativeBackend(self.path, self.manifest, **kw)
+        return MegakernelSession(nb, chunk=nb.chunk, max_seq=self.max_seq, vocab=self.vocab)
+
+    def program(self, tiling: Any = None) -> Any:
+        """The bundle's native program rescheduled (the same as the bundle's when `tiling` is None)."""
+        from zlc.codegen.schedule import schedule, tiling_for
+
+        return schedule(self.lowered.decode, tiling or tiling_for(None, self.max_seq, native=True), self.max_seq)
+
+
+def run_both(s: Any, ref: Any, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Prefill (all logits) + `steps` decode steps on the session `s` and on `ref` (a
+    ReferenceSession or another MegakernelSession), each step fed the reference's greedy token.
+    Returns the max abs error per launch and both token streams."""
+    def logits(x: Any) -> np.ndarray:
+        return np.asarray(x[1] if isinstance(x, tuple) else x.numpy())
+
+    tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+    want = logits(ref.prefill(prompt, all_logits=True, want_logits=True) if hasattr(ref, "backend")
+                  else ref.prefill(prompt))
+    assert lg is not None and lg.shape == want.shape
+    errs = [float(np.abs(lg - want).max())]
+    got, exp = [tok], [int(want[-1].argmax())]
+    for _ in range(steps):
+        feed = exp[-1]
+        tok, lg = s.step(feed, want_logits=True)
+        w = logits(ref.step(feed, want_logits=True) if hasattr(ref, "backend") else ref.step(feed)).reshape(-1)
+        errs.append(float(np.abs(lg[0] - w).max()))
+        got.append(tok)
+        exp.append(int(w.argmax()))
+    return {"errors": errs, "tokens": got, "ref_tokens": exp}
+
+
+def assert_matches(r: dict[str, Any], atol: float = ATOL) -> None:
+    assert max(r["errors"]) <= atol, f"max abs error per launch {r['errors']}"
+    assert r["tokens"] == r["ref_tokens"]
+
+
+def write_native_bundle(src: Path, dst: Path, program: Any) -> Path:
+    """Copies bundle `src` to `dst` with its native tiling replaced by `program` (any tiling of the
+    same decode graph): the C kernel re-rendered and rebuilt (its constants follow the tiling),
+    the tables, and the layout (a_size, chunk, logits offset, counters depend on the tiling)."""
+    import zlc
+    from zlc.bundle import read_manifest, write_manifest
+    from zlc.codegen.native import build_native
+    from zlc.codegen.shuffle import write_tables
+
+    shutil.copytree(src, dst)
+    man = read_manifest(dst)
+    if program.weights != man["weights"]["placement"]:
+        raise ValueError("the program places weights differently from the bundle it is written into")
+    shutil.rmtree(dst / "native")
+    man["native"] = build_native(program, dst / "native", weight_dtype=man["dtype"]["weights"],
+                                 version=zlc.__version__).manifest()
+    tl = man["tilings"]["native"]
+    write_tables(dst / tl["tables"], program, program.tables)
+    lb = program.buffers[program.logits]
+    tl["layout"] = dict(tl["layout"], a_size=program.a_size, ctrl_size=program.ctrl_size(),
+                        counters_size=program.counters_size(), chunk=program.tiling.chunk,
+                        logits={"offset": lb.offset, "rows": lb.rows, "cols": lb.cols})
+    (dst / tl["readable"]).write_text(json.dumps({"note": "rewritten by a test"}) + "\n")
+    write_manifest(dst, man)
+    return dst
