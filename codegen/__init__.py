@@ -1,6 +1,6 @@
 """zlc codegen: the raised IR -> the megakernel's task tables, Triton source and cubins.
 
-Data flow (compiler/compile.py drives it, once per tiling):
+Data flow (compiler/build.py drives it, once per tiling):
 - `program`: the plain data everything below passes around (`Program`, `Task`, `Region`,
   `Tiling`, `Buffer`) and the descriptor codes (norm, activation, RoPE kinds);
 - `schedule`: raised decode graph -> `Program`, through `tasks` (fusion, ops split into tasks

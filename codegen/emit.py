@@ -111,7 +111,8 @@ class GemvBody:
 def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
     """K split greedily into power-of-two chunks of at most `max_chunk` columns (576 = 256 + 256 +
     64); None when a piece would be under 32 columns (the masked generic body does those)."""
-    out, lo = [], 0
+    out: list[Chunk] = []
+    lo = 0
     while lo < k:
         size = min(max_chunk, 1 << ((k - lo).bit_length() - 1))
         if size < 32:

@@ -12,7 +12,7 @@ task, KV splits), the largest reduction size (scratch), the weight dtype, and th
 Linears and head sizes of the attentions, which become `switch` cases calling always-inlined
 bodies with constant sizes.
 
-`build_native` is what `zlc compile` runs (compiler/compile.py, stage "native"); `compile_library`
+`build_native` is what `zlc compile` runs (compiler/build.py, stage "native"); `compile_library`
 builds one variant (the tests use it for sanitizer builds). The manifest entry it returns is all
 the runtime (runtime/native.py) reads.
 """

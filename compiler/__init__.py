@@ -39,8 +39,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "verify": ("zlc.verifier", "verify"),
     "VerifyReport": ("zlc.verifier", "VerifyReport"),
     "ReferenceSession": ("zlc.reference.session", "ReferenceSession"),
-    "compile": ("zlc.compile", "compile"),
-    "CompileResult": ("zlc.compile", "CompileResult"),
+    "compile": ("zlc.build", "compile"),
+    "CompileResult": ("zlc.build", "CompileResult"),
     "load": ("zlc.runtime.loader", "load"),
     "Bundle": ("zlc.runtime.loader", "Bundle"),
 }
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # static checkers see the real names
     from zlc.reference.session import ReferenceSession
     from zlc.runtime.loader import Bundle, load
 
-    from .compile import CompileResult, compile
+    from .build import CompileResult, compile
     from .driver import STAGES, CompileOptions, Lowered, load_model, lower
     from .verifier import VerifyReport, verify
 

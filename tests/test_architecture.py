@@ -29,7 +29,7 @@ LAYERS: list[list[str]] = [
     ["zlc.frontend", "zlc.passes"],
     ["zlc.driver"],
     ["zlc.verifier", "zlc.codegen", "zlc.runtime", "zlc.deploy"],
-    ["zlc.compile", "zlc.runtime.serve"],
+    ["zlc.build", "zlc.runtime.serve"],
     ["zlc.cli"],
     ["zlc"],  # the public face (lazy: it names the modules it loads on first use)
 ]

@@ -63,9 +63,8 @@ def test_cli_stage_names_mirror_the_driver() -> None:
 
 
 def test_cli_mirrors_of_raising_and_compile_stage_names() -> None:
-    # `from ... import`: `zlc.compile` names the public function once zlc.__getattr__ resolved it
+    from zlc.build import COMPILE_STAGE_NAMES
     from zlc.cli import common
-    from zlc.compile import COMPILE_STAGE_NAMES
     from zlc.driver import RAISE_STAGES
 
     assert common.RAISE_STAGE_NAMES == RAISE_STAGES

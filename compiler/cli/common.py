@@ -37,7 +37,7 @@ EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug in zlc, not in the user's input
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `zlc inspect --ir m.onnx | head` ends with
 
-# Mirror zlc.driver.STAGES / RAISE_STAGES and zlc.compile.COMPILE_STAGE_NAMES for `--help` and the
+# Mirror zlc.driver.STAGES / RAISE_STAGES and zlc.build.COMPILE_STAGE_NAMES for `--help` and the
 # progress line, which must not import the driver (and torch); tests/test_cli.py checks that they
 # agree. Validation reads the driver's own lists (inspect.check_stage).
 STAGE_NAMES = ("import", "fold", "canonicalize", "cse", "dce", "raise", "cleanup", "kv-cache")

@@ -76,7 +76,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
     for t in targets:
         get_target(t)  # unknown names fail before any work
     with CompileProgress() as p:
-        from ..compile import compile
+        from ..build import compile
 
         res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
                       tokenizer=tokenizer, verify=not skip_verify, progress=p, force=force,

@@ -93,7 +93,7 @@ def _check_stage(name: str | None) -> str | None:
     anything runs. Reads the pipelines' own lists (not the mirrors in common.py)."""
     if name is None:
         return None
-    from ..compile import COMPILE_STAGE_NAMES as compile_stages
+    from ..build import COMPILE_STAGE_NAMES as compile_stages
     from ..driver import DUMP_POINTS, STAGES
 
     if name in DUMP_POINTS:
@@ -107,7 +107,7 @@ def _inspect_compile_stage(model: Path, stage: str, targets: tuple[str, ...], ma
     """Compiles into a scratch directory up to `stage` and prints what that stage made."""
     import tempfile
 
-    from ..compile import COMPILE_STAGES, compile
+    from ..build import COMPILE_STAGES, compile
     from .compile import CompileProgress
 
     with tempfile.TemporaryDirectory(prefix="zlc-inspect-") as d, CompileProgress() as p:

@@ -32,8 +32,7 @@ TARGETS = ("a10", "h200")
 def bundle(tiny_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama compiled for a10 (sm_86) and h200 (sm_90): real ptxas cubins."""
     # the module's function, not `zlc.compile`: that lazy attribute would shadow the zlc.compile
-    # module for later tests (tests/test_cli.py reads zlc.compile.COMPILE_STAGE_NAMES)
-    from zlc.compile import compile as compile_bundle
+    from zlc.build import compile as compile_bundle
 
     out = tmp_path_factory.mktemp("kstats") / "tiny.zlc"
     compile_bundle(tiny_onnx, targets=list(TARGETS), out=out, max_seq=64, verify=False)

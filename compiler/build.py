@@ -1,4 +1,6 @@
-"""`zlc.compile`: a model -> an artifact bundle (see `zlc.bundle` for the layout).
+"""`zlc.compile`: a model -> an artifact bundle (see `zlc.bundle` for the layout). The module is
+`zlc.build`, not `zlc.compile`: a submodule of that name would shadow the function on the package
+(importing a submodule binds it as the package's attribute).
 
 The compile pipeline is data: `COMPILE_STAGES`, a list of named stages run in order over one
 `Build` (what the stages share). Each stage records its time (`CompileResult.seconds`), reports
