@@ -1,16 +1,20 @@
 """The artifact bundle: a directory with the megakernel, its tables, weights and a manifest.
 
     manifest.json            format version, model, IR hash, dtypes, kernel entry + parameters,
-                             tilings (task tables, arena layout), targets (cubin, resources,
-                             roofline), verification, tokenizer, sha256 of every other file
-    kernel.py                the generated Triton source (one kernel for every tiling)
+                             tilings (task tables, arena layout), targets (cubins, resources,
+                             roofline), native (libraries), verification, tokenizer, sha256 of
+                             every other file
+    kernel.py                the generated Triton source: both kernels (STEP: prefill, decode),
+                             every tiling
     weights.safetensors      W (matrix weights, bf16 or f32) and P (f32 norms, biases, rotary)
                              arenas, laid out as the kernel reads them
-    tables/<tiling>.safetensors   task table, op descriptors (int64, f32)
+    tables/<tiling>.safetensors   task table, op descriptors (int64, f32); tilings cpu, gpu, native
     tables/<tiling>.json     the same tables, readable (labels, waits, signals)
-    kernels/<target>.cubin, .ptx  per GPU target
-    ir/prefill.zir, ir/decode.zir the raised IR the kernel was scheduled from
+    kernels/<target>.cubin, .ptx, .prefill.cubin, .prefill.ptx   per GPU target: decode, prefill
+    native/<isa level>.so    the native CPU kernel per ISA level, and its C source
+    ir/prefill.zir, ir/decode.zir the raised IR the kernels were scheduled from
     tokenizer/               tokenizer.json + tokenizer_config.json (optional)
+    deploy/                  the XDP program; host setup files from `zlc deploy build`
 
 `load()` refuses a bundle whose format version it does not know or whose files do not match
 their checksums: a tampered or half-copied bundle never reaches a GPU.
