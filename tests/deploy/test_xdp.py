@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -109,15 +108,10 @@ def scrape(server: Any, srv_ns: str) -> str:
 
 def value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of metric `name` whose labels include `labels` (Prometheus text format)."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-        if m is None or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def test_the_verifier_accepts_the_program(tmp_path: Path) -> None:

@@ -77,16 +77,9 @@ def wait_for(what: str, cond: Callable[[], bool], timeout: float = 60.0, every: 
 
 def metric(server: Any, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
     """The sum of the samples of `name` whose labels include `labels`, from /metrics."""
-    import re
+    from prometheus_client.parser import text_string_to_metric_families
 
     status, text = get(server, "/metrics", headers)
     assert status == 200, (status, text)
-    total = 0.0
-    for line in str(text).splitlines():
-        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-        if m is None or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return sum(s.value for f in text_string_to_metric_families(str(text)) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
