@@ -23,6 +23,7 @@ from typing import Any
 
 from zlc.passes import CLEANUP_PASSES, GENERIC_PASSES
 from zlc.passes.kv_cache import synthesize_kv_cache
+from zlc.passes.kv_check import check_decode_matches_prefill
 from zlc.passes.probe import IDS, classify_inputs
 from zlc.passes.raise_all import RAISING, raise_graph
 
@@ -228,8 +229,14 @@ def lower(model: Any, example_inputs: tuple[Any, ...] | None = None, *,
     if opts.verify_ir:
         verify_graph(cm.prefill)
         verify_graph(cm.decode)
-    stages.append(StageReport("kv-cache", time.perf_counter() - t, len(cm.decode.nodes),
-                              {"cache_buffers": len(cm.cache)}))
+    stats: dict[str, Any] = {"cache_buffers": len(cm.cache)}
+    if cm.rebased:
+        stats["positions_rebased"] = len(cm.rebased)
+    # The invariant no path skips: decode equals prefill of the same tokens (kv_check.py).
+    check = check_decode_matches_prefill(cm)
+    if check is not None:
+        stats.update(check.stats())
+    stages.append(StageReport("kv-cache", time.perf_counter() - t, len(cm.decode.nodes), stats))
     if observer:
         observer("kv-cache", cm.decode)
     # The histogram that matters is the decode graph's: what codegen will tile.

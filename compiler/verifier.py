@@ -1,7 +1,13 @@
 """`zlc verify` and `zlc.verify(...)`: runs a model in ONNX Runtime and in zlc (prefill of a prompt,
 then N decode steps with the synthesized KV cache) and reports max abs/rel logit error per step and
 greedy-token agreement. Both sides are driven with ONNX Runtime's greedy tokens (teacher forcing), so every
-step compares logits for the same sequence; `tokens_equal` says whether zlc's argmax agreed."""
+step compares logits for the same sequence; `tokens_equal` says whether zlc's argmax agreed.
+
+Verify also says whether the lowered decode graph fits the megakernel (`megakernel_fit`: the
+scheduler's own check, run on the graph without compiling anything), naming each op that does not
+and the family feature it most likely comes from: a model can be exact on the reference executor
+and still not compile (`VerifyReport.ok` is the numbers, `.compilable` the kernel).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,13 @@ import numpy as np
 
 from .driver import CompileOptions, Observer, lower
 from .errors import ModelFormatError, ZlcError
+from .ir import Graph, Node
+
+
+class NotCompilableError(ZlcError):
+    """The lowered model does not fit the megakernel: names each op that does not, and why."""
+
+    exit_code = 4  # the numbers may well be right (verify's 0) and wrong ones are 3: CI tells all three apart
 
 
 class OrtReference:
@@ -88,6 +101,12 @@ class VerifyReport:
     atol: float = 1e-3
     histogram_before: dict[str, int] = field(default_factory=dict)
     histogram_after: dict[str, int] = field(default_factory=dict)
+    megakernel: list[str] = field(default_factory=list)  # what does not fit the megakernel, one line each
+
+    @property
+    def compilable(self) -> bool:
+        """Whether `zlc compile` can turn the lowered model into a megakernel."""
+        return not self.megakernel
 
     @property
     def max_abs(self) -> float:
@@ -99,6 +118,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """The numbers: logits within atol and the same greedy tokens (compilability aside)."""
         return self.max_abs <= self.atol and self.tokens_equal
 
     def summary(self) -> str:
@@ -108,6 +128,12 @@ class VerifyReport:
                 f"decode max abs {worst:.3g} over {len(self.decode_max_abs)} steps, "
                 f"greedy tokens {agree}/{len(self.tokens_ref)} equal -> {'PASS' if self.ok else 'FAIL'} "
                 f"(atol {self.atol:g})")
+
+    def compilable_line(self) -> str:
+        """`compilable: yes`, or `compilable: no (...)` naming what does not fit the megakernel."""
+        if self.compilable:
+            return "compilable: yes"
+        return f"compilable: no ({'; '.join(self.megakernel)})"
 
 
 def check_token_ids(ids: list[int], vocab: int) -> None:
@@ -153,7 +179,8 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
     z = sess.prefill(list(prompt_ids)).numpy()
     pa, pr = _errors(r, z)
     rep = VerifyReport(str(path.name), list(prompt_ids), pa, pr, atol=atol,
-                       histogram_before=lowered.histogram_before, histogram_after=lowered.histogram_after)
+                       histogram_before=lowered.histogram_before, histogram_after=lowered.histogram_after,
+                       megakernel=megakernel_fit(lowered.decode, lowered.max_seq).lines())
     r_last, z_last = r[-1], z[-1]
     for _ in range(steps):
         t_ref, t_zlc = int(np.argmax(r_last)), int(np.argmax(z_last))
@@ -167,3 +194,177 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
         rep.decode_max_abs.append(a)
         rep.decode_max_rel.append(rr)
     return rep
+
+
+# ---- does it fit the megakernel -----------------------------------------------------------------
+
+# What an op-level region of the decode graph most likely is, by the ops it holds and where it sits
+# (first match wins). The scheduler only knows that an op has no lowering; this names the feature.
+_ROTARY = ("rotary embedding that raising did not recognise (partial or interleaved rotary: GPT-J, "
+           "CodeGen, Cohere, GPT-NeoX, Phi-2, StableLM)")
+_NORM = ("a normalization that raising did not recognise (LayerNorm without bias, mean-centred: "
+         "Cohere; q/k norms: Qwen3, OLMo 2)")
+_LOGITS = "a multiplier on the logits after the LM head (Cohere's logit_scale, Granite's logits_scaling)"
+_FLAT = ("the residual stream reshaped to [T, hidden] around the feed-forward block (OPT): Reshape and "
+         "the residual Adds after it")
+_PARALLEL = ("a residual Add no projection's epilogue can take (parallel attention + MLP blocks: GPT-J, "
+             "CodeGen, Cohere, GPT-NeoX, Falcon, Phi-2)")
+_AFTER = ("residual Adds after the ops above (one fuses into a projection's epilogue once that "
+          "projection lowers; a parallel attention + MLP block's 3-way sum never does: GPT-J, CodeGen, "
+          "Cohere, GPT-NeoX)")
+_LAYOUT = ("a reshape between transformer ops the kernel does not fuse (OPT flattens the residual stream "
+           "to [T, hidden] around its feed-forward block)")
+_QSCALE = "an attention scale applied to a projection as a Mul (OPT scales q before attention)"
+_SCALAR = "a multiplier on activations (Granite's embedding/residual/attention multipliers)"
+_OTHER = "op-level computation that raising did not recognise"
+
+
+def _feature(ops: set[str], consumers: set[str], to_output: bool) -> str:
+    if ops & {"Cos", "Sin", "GatherND", "Gather"} or {"Neg", "Concat"} <= ops:
+        return _ROTARY
+    if "TopK" in ops:
+        return "mixture-of-experts routing (Mixtral, Qwen3-MoE)"
+    if "Tanh" in ops:
+        return "soft-capping of attention or final logits (Gemma 2)"
+    if ops & {"ReduceMean", "Pow", "Sqrt"}:
+        return _NORM
+    if to_output:
+        return _LOGITS
+    if {"Reshape", "Add"} <= ops:
+        return _FLAT
+    if ops <= {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten"}:
+        return _LAYOUT
+    if ops <= {"Mul", "Div"}:
+        return _QSCALE if "SplitHeads" in consumers else _SCALAR
+    return _OTHER
+
+
+@dataclass
+class Misfit:
+    """Something in the decode graph the megakernel cannot run: why, and the nodes."""
+
+    why: str
+    nodes: list[Node] = field(default_factory=list)
+
+    def line(self) -> str:
+        if not self.nodes:
+            return self.why
+        hist: dict[str, int] = {}
+        for n in self.nodes:
+            hist[n.op] = hist.get(n.op, 0) + 1
+        by_count = sorted(hist.items(), key=lambda kv: -kv[1])
+        ops = ", ".join(f"{op} x{k}" if k > 1 else op for op, k in by_count)
+        names = ", ".join(f"'{n.name}'" for n in self.nodes[:3]) + (", ..." if len(self.nodes) > 3 else "")
+        return f"{self.why}: {ops} (no megakernel lowering; nodes {names})"
+
+
+@dataclass
+class FitReport:
+    """`megakernel_fit`'s answer: compilable when nothing misfits."""
+
+    misfits: list[Misfit] = field(default_factory=list)
+
+    @property
+    def compilable(self) -> bool:
+        return not self.misfits
+
+    def lines(self) -> list[str]:
+        return [m.line() for m in self.misfits]
+
+    def check(self, name: str) -> None:
+        """Raises NotCompilableError naming every misfit (what `zlc compile` fails with)."""
+        if self.misfits:
+            raise NotCompilableError(f"{name} does not fit the megakernel: {'; '.join(self.lines())} "
+                                     "(`zlc inspect MODEL --explain` shows what raising refused)")
+
+
+def megakernel_fit(decode: Graph | None, max_seq: int) -> FitReport:
+    """Whether the decode graph fits the megakernel, by the scheduler's own check (codegen's
+    TaskBuilder per node, then `schedule` for the interpreter's and the GPUs' tilings), without
+    compiling anything. Each op-level region that has no lowering becomes one misfit per feature;
+    an op whose lowering refuses its inputs is reported with the scheduler's message."""
+    from zlc.codegen.schedule import schedule, tiling_for
+    from zlc.codegen.tasks import ScheduleError, TaskBuilder
+
+    from .targets import get_target
+
+    if decode is None:
+        return FitReport([Misfit("the model was lowered without a KV cache")])
+    b = TaskBuilder(decode, tiling_for(get_target("cpu"), max_seq), max_seq)
+    unlowered: list[Node] = []
+    refused: list[Misfit] = []
+    broken: set[int] = set()  # values nothing materializes: their producer has no lowering or failed
+    after: set[int] = set()  # ... of those, the ones of ops that lower but were fed a broken value
+    by_id = {id(n): n for n in decode.nodes}
+    for n in decode.nodes:
+        if id(n) in b.skip:
+            continue
+        fn = getattr(b, "op_" + n.op, None)
+        if fn is None:
+            unlowered.append(n)
+        elif any(v is not None and id(v) in broken for v in n.inputs):
+            after.update(id(o) for o in n.outputs)
+        else:
+            fused = set(b.skip)
+            try:
+                fn(n)
+                continue
+            except ScheduleError as e:
+                refused.append(Misfit(str(e)))
+            for k in b.skip - fused:  # what the failed op had taken into its epilogue is missing too
+                broken.update(id(o) for o in by_id[k].outputs)
+        broken.update(id(o) for o in n.outputs)
+    misfits = _regions(decode, unlowered, after) + refused
+    if not any(n.op == "LMHead" for n in decode.nodes):
+        misfits.append(Misfit("the graph has no LMHead (the logits are not a raised final projection)"))
+    if not misfits:  # the whole schedule, per tiling: events and waits have limits of their own
+        for target in ("cpu", "h100"):
+            try:
+                schedule(decode, tiling_for(get_target(target), max_seq), max_seq)
+            except ScheduleError as e:
+                misfits.append(Misfit(f"{target} tiling: {e}"))
+                break
+    return FitReport(misfits)
+
+
+def _regions(g: Graph, unlowered: list[Node], after: set[int]) -> list[Misfit]:
+    """Connected op-level regions, each named by `_feature`; regions of one feature merge. Residual
+    Adds (no input computed by an op-level node other than another Add) are named on their own: a
+    parallel block's sum, or one downstream of ops that did not lower (which may fuse once they do)."""
+    made = {id(o): n for n in unlowered for o in n.outputs}
+    residual: list[Node] = []
+    for n in unlowered:
+        if n.op == "Add" and all(v is None or id(v) not in made or made[id(v)].op == "Add" for v in n.inputs):
+            residual.append(n)
+            if any(v is not None and id(v) in after for v in n.inputs):
+                after.update(id(o) for o in n.outputs)
+    skip = {id(n) for n in residual}
+    rest = [n for n in unlowered if id(n) not in skip]
+    parent = {id(n): id(n) for n in rest}
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in rest:
+        for v in n.inputs:
+            if v is not None and v.producer is not None and id(v.producer) in parent:
+                parent[root(id(n))] = root(id(v.producer))
+    regions: dict[int, list[Node]] = {}
+    for n in rest:
+        regions.setdefault(root(id(n)), []).append(n)
+    users = g.users()
+    outputs = {id(v) for v in g.outputs}
+    by_feature: dict[str, Misfit] = {}
+    for nodes in regions.values():
+        inside = {id(n) for n in nodes}
+        consumers = {u.op for n in nodes for o in n.outputs for u in users.get(o, []) if id(u) not in inside}
+        to_output = any(id(o) in outputs for n in nodes for o in n.outputs)
+        why = _feature({n.op for n in nodes}, consumers, to_output)
+        by_feature.setdefault(why, Misfit(why)).nodes.extend(nodes)
+    for n in residual:
+        why = _AFTER if any(id(o) in after for o in n.outputs) else _PARALLEL
+        by_feature.setdefault(why, Misfit(why)).nodes.append(n)
+    return list(by_feature.values())

@@ -7,19 +7,21 @@ Two input shapes are handled the same way:
   frontend): Attention reads Concat(past, new); the past inputs and present outputs are dropped
   and `new` goes to the compiler's cache instead.
 Afterwards every graph takes `input_ids` and `past_len` (tokens already in the cache) and returns
-`logits`; positions are `past_len + arange(T)`. An attention mask input is assumed all ones (zlc
-owns the cache: no padding) and must be unused once attention is raised.
+`logits`; positions are `past_len + arange(T)`, and so is any position arithmetic raising left
+op-level (`Range(0, T)`, `CumSum` of the mask, tables gathered at either: positions.py rebases it).
+An attention mask input is assumed all ones (zlc owns the cache: no padding) and must be unused once
+attention is raised. The driver then checks decode against prefill (kv_check.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zlc.errors import PassError
 from zlc.ir import DType, Graph, Node, TensorType, Value
 from zlc.ir.graph import reinfer
 
-from . import probe
+from . import positions, probe
 from .dce import dce
 from .match import prod
 
@@ -30,6 +32,7 @@ class CachedModel:
     decode: Graph
     max_seq: int
     cache: list[tuple[str, TensorType]]  # state buffers: name, type
+    rebased: list[str] = field(default_factory=list)  # position nodes rebased on past_len
 
 
 def _unraised_attention(g: Graph) -> Node | None:
@@ -118,6 +121,12 @@ def synthesize_kv_cache(g: Graph, max_seq: int) -> CachedModel:
             g.replace_uses(v, pos_node)
             dropped_inputs.add(id(v))
     dce(g)
+    # Position arithmetic raising did not absorb (Range(0, T), CumSum of the mask, tables gathered
+    # at either) counts from 0 in every decode step: rebase it on past_len (positions.py).
+    rebased, pos_node = positions.rebase_positions(g, ids, past_len, pos_node)
+    folded = positions.fold_table_offsets(g)
+    if rebased or folded:
+        dce(g)
     users = g.users()
     for v in g.inputs:
         if roles.get(v.name) in (probe.MASK, probe.PAST_KEY, probe.PAST_VALUE, probe.PAST_LEN) and users.get(v):
@@ -133,4 +142,4 @@ def synthesize_kv_cache(g: Graph, max_seq: int) -> CachedModel:
     d_ids = decode.inputs[0] if decode.inputs[0].name == ids.name else decode.value(ids.name)
     d_ids.type = TensorType(d_ids.dtype, (d_ids.shape[0], 1))  # type: ignore[index]
     reinfer(decode)
-    return CachedModel(prefill, decode, max_seq, cache)
+    return CachedModel(prefill, decode, max_seq, cache, rebased)

@@ -28,7 +28,8 @@ LAYERS: list[list[str]] = [
     ["zlc.reference", "zlc.targets", "zlc.testing"],
     ["zlc.frontend", "zlc.passes"],
     ["zlc.driver"],
-    ["zlc.verifier", "zlc.codegen", "zlc.runtime", "zlc.deploy"],
+    ["zlc.codegen", "zlc.runtime", "zlc.deploy"],
+    ["zlc.verifier"],  # says whether a model fits the megakernel: runs codegen's scheduler check
     ["zlc.build", "zlc.runtime.serve"],
     ["zlc.cli"],
     ["zlc"],  # the public face (lazy: it names the modules it loads on first use)

@@ -295,3 +295,85 @@ def test_debug_shows_the_traceback(bad_models: dict[str, Path]) -> None:
     res = zlc_cli("--debug", "inspect", bad_models["truncated"])
     assert res.exit_code == 1
     assert "Traceback" in res.stderr and res.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+# ---- no wrong tokens with exit 0; verify means compilable ----------------------------------------
+
+def _zoo(family: str) -> Path:
+    pytest.importorskip("transformers", reason="the model zoo needs the 'hf' extra")
+    from zlc.testing import zoo
+
+    return zoo.cached("stateless", family, 20)
+
+
+def test_run_refuses_a_decode_graph_that_disagrees_with_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-J with the rebasing of its Range(0, T) disabled: the invariant stops `zlc run` (exit 3)
+    before it prints a token, naming the step and the node."""
+    from zlc.passes import positions
+
+    monkeypatch.setattr(positions, "rebase_positions", lambda g, ids, past_len, pos: ([], pos))
+    res = zlc_cli("run", _zoo("gptj"), "--prompt-ids", "3,14,15", "--max-new-tokens", 4)
+    line = assert_one_error_line(res, VerificationError.exit_code)
+    assert "decode step at position 3" in line and "Range '" in line and not res.stdout.strip()
+
+
+def test_verify_reports_that_a_model_does_not_fit_the_megakernel() -> None:
+    from zlc.verifier import NotCompilableError
+
+    gptj = _zoo("gptj")
+    res = zlc_cli("verify", gptj, "--steps", 4)
+    line = assert_one_error_line(res, NotCompilableError.exit_code)
+    assert NotCompilableError.exit_code not in (0, 1, EXIT_USAGE, VerificationError.exit_code)
+    assert "verified, but compilable: no" in line and "rotary embedding" in line and "GatherND" in line
+    assert "PASS" in res.stdout and "compilable: no" in res.stdout and "fits the megakernel" in res.stdout
+    ok = zlc_cli("verify", gptj, "--steps", 4, "--numerics-only")
+    assert ok.exit_code == 0, ok.output
+    assert "compilable: no" in ok.stdout and "rotary embedding" in ok.stdout
+    rep = json.loads(zlc_cli("verify", gptj, "--steps", 4, "--json", "--numerics-only").stdout)
+    assert rep["ok"] is True and rep["compilable"] is False and rep["megakernel"]
+
+
+def test_verify_of_a_compilable_model_says_so(tiny_onnx: Path) -> None:
+    res = zlc_cli("verify", tiny_onnx, "--steps", 2)
+    assert res.exit_code == 0, res.output
+    assert "compilable: yes" in res.stdout
+    assert json.loads(zlc_cli("verify", tiny_onnx, "--steps", 2, "--json").stdout)["compilable"] is True
+
+
+def test_compile_names_every_misfit(tmp_path: Path) -> None:
+    from zlc.verifier import NotCompilableError
+
+    res = zlc_cli("compile", _zoo("cohere"), "-o", tmp_path / "c.zlc", "--max-seq", 64, "--skip-verify")
+    line = assert_one_error_line(res, NotCompilableError.exit_code)
+    for needle in ("does not fit the megakernel", "rotary embedding", "a normalization",
+                   "logits after the LM head", "no LMHead", "inspect MODEL --explain"):
+        assert needle in line, needle
+    assert not (tmp_path / "c.zlc").exists() and not (tmp_path / "c.zlc.partial").exists()
+
+
+@pytest.mark.parametrize("family", ["gptj", "opt"])
+def test_inspect_explain_works_without_after(family: str) -> None:
+    res = zlc_cli("inspect", _zoo(family), "--explain", "--max-seq", 64)
+    assert res.exit_code == 0, res.output
+    assert "raised:" in res.stdout and "megakernel: the decode graph does not fit" in res.stdout
+    want = "rotary embedding" if family == "gptj" else "attention scale applied to a projection"
+    assert want in res.stdout
+
+
+def test_inspect_explain_says_when_the_model_fits(tiny_onnx: Path) -> None:
+    res = zlc_cli("inspect", tiny_onnx, "--explain", "--max-seq", 64)
+    assert res.exit_code == 0, res.output
+    assert "megakernel: the decode graph fits" in res.stdout
+
+
+def test_inspect_explain_survives_a_failure_after_raising(tiny_onnx: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(g: Any, max_seq: int) -> Any:
+        raise zlc.PassError("KV-cache synthesis found no raised Attention (planted)")
+
+    monkeypatch.setattr("zlc.driver.synthesize_kv_cache", fail)
+    assert_one_error_line(zlc_cli("inspect", tiny_onnx, "--stats"), 1)  # only --explain carries on
+    res = zlc_cli("inspect", tiny_onnx, "--explain")
+    assert res.exit_code == 0, res.output
+    assert "raised:" in res.stdout and "attention=2" in res.stdout
+    assert "lowering stopped after raising" in res.stdout and "(planted)" in res.stdout

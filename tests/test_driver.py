@@ -190,3 +190,38 @@ def test_session_generate(tiny_lowered: Any) -> None:
     assert sampled == sess.generate([1, 2, 3], 10, temperature=1.0, seed=7)
     with pytest.raises(zlc.ZlcError, match="exceed max_seq"):
         sess.generate(list(range(60)), 10)
+
+
+# ---- the decode-vs-prefill invariant and the torch module's reference ----------------------------
+
+def test_every_lowering_checks_decode_against_prefill(tiny_lowered: Any) -> None:
+    stats = tiny_lowered.stages[-1].stats
+    assert tiny_lowered.stages[-1].name == "kv-cache"
+    assert stats["decode_checked"] == 4 and stats["decode_max_abs"] < 1e-4 and stats["decode_check_ms"] >= 0
+
+
+def test_compile_of_a_module_checks_decode_steps_against_it(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import torch
+
+    from zlc.testing import zoo
+
+    model = zoo.hf_model("llama")
+    res = zlc.compile(model, example_inputs=(torch.tensor([[3, 14, 15, 92, 65]]),), out=tmp_path / "m",
+                      max_seq=32, stop_after="verify")
+    assert res.build is not None
+    v = res.build.verification
+    assert v["reference"] == "torch module" and v["ok"] and v["tokens_equal"]
+    assert "4 decode steps" in v["summary"]
+
+
+def test_compile_of_a_module_that_does_not_fit_names_why(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import torch
+
+    from zlc.testing import zoo
+    from zlc.verifier import NotCompilableError
+
+    with pytest.raises(NotCompilableError, match="rotary embedding that raising did not recognise"):
+        zlc.compile(zoo.hf_model("cohere"), example_inputs=(torch.tensor([[3, 14, 15]]),), out=tmp_path / "c",
+                    max_seq=32)

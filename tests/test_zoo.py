@@ -18,6 +18,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from zlc.testing import zoo  # noqa: E402
+from zlc.testing.families import CORE_FAMILIES, POSITION_FAMILIES  # noqa: E402
 
 TOL = 1e-4
 
@@ -71,13 +72,34 @@ def check_stateless(kind: str, family: str, opset: int) -> dict[str, int]:
     return zoo.op_histogram(path)
 
 
-@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+@pytest.mark.parametrize("family", sorted(CORE_FAMILIES))
 def test_stateless_opset20(family: str) -> None:
     hist = check_stateless("stateless", family, 20)
     assert "Softmax" in hist and "MatMul" in hist
     if family != "gpt2":
         assert "Pow" in hist and "ReduceMean" in hist  # decomposed RMSNorm
         assert "RMSNormalization" not in hist and "RotaryEmbedding" not in hist
+
+
+@pytest.mark.parametrize("family", POSITION_FAMILIES)
+def test_stateless_position_families(family: str) -> None:
+    """OPT, GPT-J, CodeGen, Cohere: the export equals torch, and shows the position arithmetic the
+    KV cache must rebase (OPT: CumSum of the mask; the others: Range over the tokens)."""
+    hist = check_stateless("stateless", family, 20)
+    assert "Softmax" in hist and "MatMul" in hist
+    assert ("CumSum" if family == "opt" else "Range") in hist
+
+
+@pytest.mark.parametrize("family", ["opt", "gptj", "codegen"])  # cohere: the TorchScript exporter fails
+def test_optimum_kv_position_families(family: str) -> None:
+    test_optimum_kv("optimum_kv", family)
+
+
+def test_position_families_are_perturbed_away_from_defaults() -> None:
+    """Norm gains and biases are not their HF init (1 and 0), so a dropped norm or bias shows."""
+    for family in POSITION_FAMILIES:
+        vectors = [p for _, p in zoo.hf_model(family).named_parameters() if p.dim() == 1]
+        assert vectors and all(float((p - p.round()).abs().max()) > 0.01 for p in vectors), family
 
 
 @pytest.mark.parametrize(
@@ -117,7 +139,7 @@ def run_kv(sess, ids: np.ndarray, past: list[np.ndarray], past_len: int) -> dict
 
 @pytest.mark.parametrize(
     ("kind", "family"),
-    [("optimum_kv", f) for f in sorted(zoo.FAMILIES)]
+    [("optimum_kv", f) for f in sorted(CORE_FAMILIES)]
     + [("optimum_kv_dynamo", "llama"), ("optimum_kv_dynamo", "phi3")],
 )
 def test_optimum_kv(kind: str, family: str) -> None:

@@ -73,15 +73,26 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
     show_ir = show_ir or (after is not None and not (stats or explain))
     if not (show_ir or stats or explain):
         stats = True
+    late: ZlcError | None = None
     with progress(f"lower {model.name}") as p:
         from ..driver import CompileOptions, lower
 
         opts = CompileOptions() if max_seq is None else CompileOptions(max_seq=max_seq)
-        lowered = lower(model, options=opts, observer=p, stop_after=after)
+        try:
+            lowered = lower(model, options=opts, observer=p, stop_after=after)
+        except ZlcError as e:
+            # A stage after raising failed (KV-cache synthesis, the decode check): --explain is
+            # where that error points, so it still says what raising did, and then the failure.
+            if not explain or after is not None:
+                raise
+            lowered = lower(model, options=opts, observer=p, stop_after="cleanup")
+            late = e
     if stats:
         _print_stats(lowered)
     if explain:
         _print_explain(lowered)
+        if after in (None, "kv-cache"):
+            _print_fit(lowered, late)
     if show_ir:
         from ..ir import print_graph
 
@@ -152,8 +163,8 @@ def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_jso
 
 
 def _inspect_kernel(path: Path, targets: list[str] | None, context: int | None, as_json: bool) -> None:
-    """`--kernel`: the machine-code facts and the latency prediction (zlc.codegen.kernel_model)."""
-    from zlc.codegen.kernel_model import bundle_report, rich_tables
+    """`--kernel`: the machine-code facts and the latency prediction (zlc.codegen.kernel_report)."""
+    from zlc.codegen.kernel_report import bundle_report, rich_tables
 
     rep = bundle_report(path, targets=targets, context=context)  # errors are ZlcErrors: one line
     if as_json:
@@ -212,3 +223,20 @@ def _print_explain(lowered: Lowered) -> None:
         for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
             t.add_row(escape(rule), escape(reason), str(n))
     out.print(t)
+
+
+def _print_fit(lowered: Lowered, late: ZlcError | None) -> None:
+    """What stops the model after raising: the stage that failed, or what does not fit the megakernel."""
+    out = out_console()
+    if late is not None:
+        out.print(f"[red]lowering stopped after raising:[/] {escape(str(late))}")
+        return
+    from ..verifier import megakernel_fit
+
+    fit = megakernel_fit(lowered.decode, lowered.max_seq)
+    if fit.compilable:
+        out.print("megakernel: the decode graph fits (zlc compile can build it)")
+        return
+    out.print("megakernel: the decode graph does not fit (zlc compile fails on):")
+    for line in fit.lines():
+        out.print(f"  - {escape(line)}")

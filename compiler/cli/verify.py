@@ -1,4 +1,10 @@
-"""`zlc verify`: lower a model and compare it with ONNX Runtime, prefill then decode steps."""
+"""`zlc verify`: lower a model and compare it with ONNX Runtime, prefill then decode steps, and say
+whether the lowered graph fits the megakernel.
+
+Exit codes: 0 when the numbers pass and the model compiles; 3 (VerificationError) when the numbers
+do not; 4 (NotCompilableError) when they do but `zlc compile` would fail, so a CI running
+`zlc verify` never takes an uncompilable model for a good one. `--numerics-only` makes 4 a 0 (the
+"compilable: no" line stays) for models meant for `zlc run model.onnx` on the reference executor."""
 
 from __future__ import annotations
 
@@ -29,11 +35,15 @@ if TYPE_CHECKING:
               help="Max abs logit error allowed.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt.")
 @MAX_SEQ
+@click.option("--numerics-only", is_flag=True,
+              help="Exit 0 when the numbers pass even if the model does not fit the megakernel.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | None, atol: float,
-           seed: int, max_seq: int | None, as_json: bool) -> None:
+           seed: int, max_seq: int | None, numerics_only: bool, as_json: bool) -> None:
     """Compare zlc against ONNX Runtime: prefill a prompt, then STEPS decode steps with zlc's KV
-    cache; report logit errors and greedy-token agreement. Exits 0 on pass, 3 beyond tolerance."""
+    cache; report logit errors, greedy-token agreement, and whether the lowered model fits the
+    megakernel. Exits 0 on pass, 3 beyond tolerance, 4 when it passes but does not compile
+    (0 with --numerics-only)."""
     with progress(f"verify {model.name}", then="comparing with ONNX Runtime") as p:
         from ..verifier import verify as run_verify
 
@@ -45,10 +55,16 @@ def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | Non
         _print_report(rep)
     if not rep.ok:
         raise VerificationError(f"verification failed: {rep.summary()}")
+    if not rep.compilable and not numerics_only:
+        from ..verifier import NotCompilableError
+
+        raise NotCompilableError(f"verified, but {rep.compilable_line()}; `zlc compile` would fail "
+                                 "(--numerics-only to accept it for the reference executor)")
 
 
 def _report_json(rep: VerifyReport) -> dict[str, Any]:
-    return {**asdict(rep), "ok": rep.ok, "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal}
+    return {**asdict(rep), "ok": rep.ok, "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal,
+            "compilable": rep.compilable}
 
 
 def _mark(ok: bool) -> str:
@@ -72,6 +88,10 @@ def _print_report(rep: VerifyReport) -> None:
                   f"{max(rep.decode_max_rel):.3g}", _mark(worst <= rep.atol))
     agree = sum(a == b for a, b in zip(rep.tokens_ref, rep.tokens_zlc, strict=True))
     t.add_row("greedy tokens equal", f"{agree}/{len(rep.tokens_ref)}", "", _mark(rep.tokens_equal))
+    t.add_row("fits the megakernel", "", "", _mark(rep.compilable))
     out.print(t)
     out.print(histogram_table(rep.histogram_before, rep.histogram_after))
     out.print("[bold green]PASS[/]" if rep.ok else "[bold red]FAIL[/]")
+    out.print("compilable: yes" if rep.compilable else "compilable: no")
+    for line in rep.megakernel:
+        out.print(f"  - {escape(line)}")

@@ -1,11 +1,14 @@
 """The zoo's model families: tiny, deterministic, random-weight Hugging Face decoders.
 
-Families (:data:`FAMILIES`): ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``; 2 layers,
-hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2 has no GQA, so 4), vocab 256,
-intermediate 128, 256 positions, fp32, ``attn_implementation="eager"``. Weights are drawn from
-``torch.manual_seed(seed)`` and then re-drawn at a scale that makes the tests discriminating: every
-matrix ~ N(0, 1/8) (unit-scale activations, attention that is far from uniform), every vector
-(norm weights, biases) is its HF init plus N(0, 0.1), so biases and norm gains are non-trivial.
+Families (:data:`FAMILIES`): the core ones every export route is tested on (:data:`CORE_FAMILIES`:
+``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``) and the families whose
+positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
+``codegen``, ``cohere``). 2 layers, hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2, OPT,
+GPT-J and CodeGen have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
+``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
+at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
+attention that is far from uniform), every vector (norm weights, biases) is its HF init plus
+N(0, 0.1), so biases and norm gains are non-trivial (a dropped norm, bias or offset shows).
 
 ``llama-chat`` is the tiny Llama with room for :func:`save_chat_tokenizer`'s byte-level ChatML
 tokenizer (vocab :data:`CHAT_VOCAB`): what ``zlc serve``'s tests talk to.
@@ -70,7 +73,58 @@ FAMILIES: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # learned positions at CumSum(mask) - 1 + 2 (the table has 2 extra rows), LayerNorm with bias,
+    # ReLU MLP with biases, tied embeddings
+    "opt": dict(
+        model_type="opt",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        vocab_size=256,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # parallel attention + MLP off one LayerNorm, partial interleaved rotary (the first 8 of 16
+    # head dims) from a sin/cos table gathered at the positions, no attention biases
+    "gptj": dict(
+        model_type="gptj",
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        n_inner=128,
+        n_positions=256,
+        rotary_dim=8,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # GPT-J's block with a fused qkv projection laid out in 4 groups (mp_num)
+    "codegen": dict(
+        model_type="codegen",
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        n_inner=128,
+        n_positions=256,
+        n_ctx=256,
+        rotary_dim=8,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # parallel attention + MLP, LayerNorm without bias, interleaved rotary, logit scale 0.0625
+    "cohere": dict(model_type="cohere", **_COMMON),
 }
+
+#: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
+CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
+#: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
+#: rows gathered at Range, frequencies times Range) and whose blocks the kernel does not run yet.
+POSITION_FAMILIES: tuple[str, ...] = ("opt", "gptj", "codegen", "cohere")
 
 _WEIGHT_STD = 0.125  # 1/sqrt(hidden): unit-scale activations
 _VECTOR_STD = 0.1

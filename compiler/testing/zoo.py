@@ -5,8 +5,9 @@ This module is the zoo's one import surface: tests, examples and benchmarks writ
 it holds no code of its own, only the names of the modules that do the work:
 
 - :mod:`zlc.testing.families` -- the tiny, deterministic, random-weight Hugging Face decoders
-  (:data:`FAMILIES`: ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, and
-  ``llama-chat`` with its byte-level ChatML tokenizer), their configs and KV-cache geometry;
+  (:data:`FAMILIES`: the core ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, and
+  ``llama-chat`` with its byte-level ChatML tokenizer; ``opt``, ``gptj``, ``codegen``, ``cohere``,
+  whose positions are arithmetic the KV cache rebases), their configs and KV-cache geometry;
 - :mod:`zlc.testing.export` -- the ``torch.onnx.export`` kinds: ``stateless`` /
   ``stateless_sdpa`` (dynamo, ``input_ids -> logits``) and ``optimum_kv`` / ``optimum_kv_dynamo``
   (Optimum-style KV cache), with the op patterns each produces;
