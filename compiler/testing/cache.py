@@ -29,6 +29,8 @@ ZOO_VERSION = 1
 _KINDS: dict[str, Callable[[str, Path, int, int], Path]] = {
     "stateless": lambda f, p, o, s: export_stateless(f, p, o, seed=s),
     "stateless_sdpa": lambda f, p, o, s: export_stateless(f, p, o, seed=s, attn_implementation="sdpa"),
+    "stateless_f16": lambda f, p, o, s: export_stateless(f, p, o, seed=s, dtype="float16"),
+    "stateless_bf16": lambda f, p, o, s: export_stateless(f, p, o, seed=s, dtype="bfloat16"),
     "optimum_kv": lambda f, p, o, s: export_optimum_kv(f, p, o, seed=s, exporter="torchscript"),
     "optimum_kv_dynamo": lambda f, p, o, s: export_optimum_kv(f, p, o, seed=s, exporter="dynamo"),
     "genai": lambda f, p, o, s: build_genai(f, p, variant="gqa", seed=s),

@@ -22,6 +22,10 @@
       standard ``Attention`` op (one per layer, all families incl. gpt2; the causal mask goes
       into it, so no Softmax/Where remain). Below opset 23, sdpa is decomposed like eager.
 
+``stateless_f16`` / ``stateless_bf16`` -- :func:`export_stateless` with ``dtype``
+    The same export of the same weights cast to float16 / bfloat16: half-precision graphs (weights,
+    activations and logits in that type), for the checks that must hold at any precision.
+
 ``optimum_kv`` / ``optimum_kv_dynamo`` -- :func:`export_optimum_kv`
     Optimum-style KV-cache graph. Inputs ``input_ids[1, seq]``, ``attention_mask[1, past + seq]``
     (int64), ``position_ids[1, seq]``, ``past_key_values.{i}.key/.value[1, kv_heads, past,
@@ -73,13 +77,17 @@ def export_stateless(
     *,
     seed: int = 0,
     attn_implementation: str = "eager",
+    dtype: str = "float32",
 ) -> Path:
     """Export ``input_ids[1, seq] -> logits[1, seq, vocab]`` with ``torch.onnx.export(dynamo=True)``.
 
     ``seq`` is a dynamic axis (named ``"seq"``); batch is static 1. Saved as one file (no external
     data). ``attn_implementation="sdpa"`` at opset >= 23 yields the standard ``Attention`` op.
+    ``dtype`` ("float16", "bfloat16"): the same weights cast, so the graph computes in that type.
     """
-    model = hf_model(family, seed, attn_implementation=attn_implementation)
+    import torch
+
+    model = hf_model(family, seed, attn_implementation=attn_implementation).to(getattr(torch, dtype))
     return export_dynamo_stateless(model, Path(out_path), opset, example_len=7, external_data=False)
 
 

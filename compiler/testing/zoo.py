@@ -9,8 +9,9 @@ it holds no code of its own, only the names of the modules that do the work:
   ``llama-chat`` with its byte-level ChatML tokenizer; ``opt``, ``gptj``, ``codegen``, ``cohere``,
   whose positions are arithmetic the KV cache rebases), their configs and KV-cache geometry;
 - :mod:`zlc.testing.export` -- the ``torch.onnx.export`` kinds: ``stateless`` /
-  ``stateless_sdpa`` (dynamo, ``input_ids -> logits``) and ``optimum_kv`` / ``optimum_kv_dynamo``
-  (Optimum-style KV cache), with the op patterns each produces;
+  ``stateless_sdpa`` (dynamo, ``input_ids -> logits``), ``stateless_f16`` / ``stateless_bf16`` (the
+  same in half precision) and ``optimum_kv`` / ``optimum_kv_dynamo`` (Optimum-style KV cache), with
+  the op patterns each produces;
 - :mod:`zlc.testing.genai` -- ``genai`` / ``genai_rope`` / ``genai_mha`` / ``genai_int4``: the
   real onnxruntime-genai model builder, run offline in a subprocess;
 - :mod:`zlc.testing.cache` -- :func:`cached`: every (kind, family, opset, seed, tool versions)

@@ -146,3 +146,20 @@ def test_probe_ids_stay_in_the_vocabulary() -> None:
 
     ids = probe_ids(7, 5)
     assert len(ids) == 7 and all(0 <= i < 5 for i in ids) and len(set(probe_ids(7, 256))) == 7
+
+
+# ---- half precision: the tolerance follows the logits' type, and still catches position bugs -----
+
+@pytest.mark.parametrize("kind", ["stateless_f16", "stateless_bf16"])
+def test_the_invariant_holds_in_half_precision_and_still_catches_bugs(kind: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-J cast to f16 / bf16: rebased, decode equals prefill within the half type's rounding; with
+    the rebasing disabled the same check fails (a position bug is off by the logits' own size, far
+    beyond even bf16's 8-ulp tolerance)."""
+    path = zoo.cached(kind, "gptj", 20)
+    lowered = zlc.lower(path, options=OPTS)
+    assert lowered.decode.outputs[0].dtype.value == kind.removeprefix("stateless_")
+    assert _kv_stats(lowered)["decode_checked"] == 4
+    monkeypatch.setattr(positions, "rebase_positions", lambda g, ids, past_len, pos: ([], pos))
+    with pytest.raises(DecodeMismatchError, match=r"decode step at position 3 .* Range '"):
+        zlc.lower(path, options=OPTS)
