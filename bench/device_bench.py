@@ -6,7 +6,8 @@ Two halves, one file:
     python bench/device_bench.py --out "$OUT"         # ON THE DEVICE (bench/device_check.sh)
 
 `--prepare` on a 2-core machine: tiny ~20 s, smollm2-135m ~2.5 min, llama-1b-shape ~4.5 min and
-12 GB peak memory (the fp32 module, lowering, packing); it writes ~4 MB in all.
+12 GB peak memory (the fp32 module, lowering, packing); it writes ~33 MB in all (every kernel in
+its release, debug and trace builds, each with Triton's CUDA 13 cubin and the CUDA 12.9 one).
 
 Why the weights are generated on the device (the simplest honest scheme)
 -------------------------------------------------------------------------
@@ -38,6 +39,14 @@ vocab 128256, tied, rope theta 5e5 without Llama-3's rope scaling.
 
 What is measured (on the device, one GPU, one process)
 ------------------------------------------------------
+0. The driver and the cubins, before anything runs: cuDriverGetVersion, and for every cubin the
+   bundles carry (decode and prefill kernels; release, debug and trace builds; Triton's CUDA 13
+   ptxas and the wheel's CUDA 12.9 one) whether cuModuleLoadData takes it. The executor then
+   loads, per kernel, the first cubin the driver takes (the manifest's order) and says which.
+   The bundles are compiled with `--debug-waits`, so the first launch of each kernel runs its
+   debug build with a host-side deadline (FIRST_LAUNCH_DEADLINE_S): a launch that never finishes
+   is reported (which task waits for which event) and the run stops there, instead of hanging
+   until the device time is gone.
 1. Correctness (before any timing): a 128-token seeded random prompt, prefill + 32 greedy steps.
    Reference: the module in fp32 (weights rounded to bf16 as zlc stores them, fp32 compute, TF32
    off). zlc is teacher-forced with the reference's tokens, so every step's logits are compared:
@@ -56,6 +65,10 @@ What is measured (on the device, one GPU, one process)
 3. HBM floor: the bytes one zlc decode step reads (manifest roofline: bf16 weights + f32 KV cache at
    the mean context of the timed steps) divided by the device-to-device copy bandwidth measured
    here (bytes read + written / time), and each engine's median / floor.
+4. Where the time goes: one warm decode step (and the prompt's prefill) run with the trace build:
+   per task its SM and %globaltimer start/end, analysed by zlc.runtime.trace into time per op
+   kind, idle time per SM and the critical path (printed, and in device_bench.md), so that a slow
+   run explains itself.
 
 The device half needs torch, numpy and NVIDIA's `cuda.bindings` (all in the device image), plus
 this repository: zlc is imported from the checkout through a small import shim (no install).
@@ -68,6 +81,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -86,6 +100,11 @@ DECODE_STEPS = 256  # timed decode steps (>= 200)
 CHECK_STEPS = 32  # teacher-forced steps compared with the fp32 reference
 MAX_SEQ = 512  # PROMPT_LEN + DECODE_STEPS + warm-up fits
 SEED = 1234
+FIRST_LAUNCH_DEADLINE_S = 20.0  # the debug build's first launch per kernel; its waits time out after 2 s
+# every other launch of the untimed phases (correctness, trace): a release build that hangs where
+# the debug build did not (a race) is reported too. Timed launches block in cuStreamSynchronize
+# (polling would add its sleeps to the latency); there the script's hard limit is the bound.
+UNTIMED_DEADLINE_S = 10.0
 
 
 # ---- the model ----------------------------------------------------------------------------------------
@@ -279,7 +298,17 @@ def import_zlc() -> Any:
 
 # ---- --prepare (the CPU machine) ----------------------------------------------------------------------
 
-SLIM_FILES = ("manifest.json", "tables/gpu.safetensors")  # plus the target's cubin
+SLIM_FILES = ("manifest.json", "tables/gpu.safetensors", "tables/gpu.json")  # plus the target's cubins
+
+
+def target_cubins(entry: dict[str, Any]) -> list[str]:
+    """Every cubin a manifest target carries: decode and prefill kernels, release / debug / trace
+    builds, each toolkit's (what the device run may load)."""
+    out: list[str] = []
+    for kernel in (entry, entry.get("prefill", {})):
+        for build in (kernel, kernel.get("debug", {}), kernel.get("trace", {})):
+            out += [c["cubin"] for c in build.get("cubins", [])] or ([build["cubin"]] if build.get("cubin") else [])
+    return list(dict.fromkeys(out))
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -344,17 +373,24 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
         example = (torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(SEED)),)
         with tempfile.TemporaryDirectory(prefix="zlc-prep-") as tmp:
             full = Path(tmp) / f"{name}.zlc"
+            # --debug-waits: the debug and trace builds travel too (the first launches, the trace)
             res = zlc.compile(model, example_inputs=example, targets=[target], out=full, max_seq=max_seq,
-                              dtype="bf16", name=name, verify=True,
+                              dtype="bf16", name=name, verify=True, debug_waits=True,
                               progress=lambda st, d, n=name: print(f"  [{n}] {st}: {d}", flush=True))
             man = res.manifest
+            tgt = man["targets"][target]
+            for kernel in (tgt, tgt["prefill"]):
+                for b in (kernel, kernel["debug"], kernel["trace"]):
+                    if b.get("fallback_skipped") or (tgt["arch"] >= "sm_90" and len(b["cubins"]) < 2):
+                        print(f"  [{name}] WARNING: {b['cubin']} has no CUDA 12 cubin beside it: "
+                              f"{b.get('fallback_skipped', 'none built')}", flush=True)
             w = load_file(str(full / man["weights"]["file"]))
             roles, extras = role_map(model, man["weights"]["placement"], w["W"], w["P"])
             missing = [r["value"] for r in roles if r["param"] is None and r["arena"] == "W"]
             slim = out / f"{name}.zlc"
             if slim.exists():
                 shutil.rmtree(slim)
-            for rel in (*SLIM_FILES, man["targets"][target]["cubin"]):
+            for rel in (*SLIM_FILES, *target_cubins(tgt)):
                 (slim / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(full / rel, slim / rel)
         if extras:
@@ -372,6 +408,8 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
         del model, w
         (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     total = sum(m["bytes"] for m in index["models"])
+    if total > 60 * 2 ** 20:
+        print(f"WARNING: {total / 2 ** 20:.1f} MiB; the run tool carries 64 MiB in all (prepare fewer models)")
     print(f"wrote {out} ({total / 1e6:.2f} MB): carry it to the device (run's carry: ['bench/device_inputs'])")
 
 
@@ -505,9 +543,81 @@ def zlc_session(slim: Path, manifest: dict[str, Any], host: dict[str, Any], dev:
     from zlc.runtime.cuda import CudaBackend
     from zlc.runtime.megakernel import MegakernelSession
 
-    backend = CudaBackend(slim, manifest, device=dev.index or 0, weights=host, ctrl=ctrl)
+    backend = CudaBackend(slim, manifest, device=dev.index or 0, weights=host, ctrl=ctrl,
+                          first_launch_deadline_s=FIRST_LAUNCH_DEADLINE_S, deadline_s=UNTIMED_DEADLINE_S)
     return MegakernelSession(backend, chunk=backend.chunk, max_seq=int(manifest["model"]["max_seq"]),
                              vocab=int(manifest["model"]["vocab"]))
+
+
+def probe_cubins(inputs: Path, index: dict[str, Any], device: int) -> dict[str, Any]:
+    """The driver's version and, for every cubin the inputs carry, whether cuModuleLoadData takes
+    it (loaded and unloaded again; milliseconds each)."""
+    from zlc.runtime.cuda_driver import CudaDriver
+    from zlc.runtime.cuda_launch import CudaError, CudaLoadError, cuda_version
+
+    drv = CudaDriver()
+    info = drv.open(device)
+    out: dict[str, Any] = {"driver_version": drv.driver_version(), "gpu": info.name, "cc": info.cc, "cubins": {}}
+    out["driver_cuda"] = cuda_version(out["driver_version"])
+    try:
+        for m in index["models"]:
+            slim = inputs / m["dir"]
+            man = json.loads((slim / "manifest.json").read_text())
+            t = man["targets"][index["target"]]
+            entries = {c["cubin"]: c for kernel in (t, t["prefill"])
+                       for b in (kernel, kernel.get("debug", {}), kernel.get("trace", {})) for c in b.get("cubins", [])}
+            for rel in target_cubins(t):
+                key = f"{m['name']}:{rel}"
+                c = entries.get(rel, {})
+                try:
+                    drv.load_function((slim / rel).read_bytes(), t["metadata"]["name"], 0)
+                    res = "loads"
+                except CudaLoadError as e:
+                    res = e.name
+                except (CudaError, OSError) as e:
+                    res = f"{type(e).__name__}: {e}"
+                out["cubins"][key] = {"result": res, "toolkit": c.get("toolkit"), "ptx_isa": c.get("ptx_isa"),
+                                      "min_driver": c.get("min_driver")}
+    finally:
+        drv.close()
+    return out
+
+
+def trace_step(m: Loaded, prompt: list[int]) -> dict[str, Any]:
+    """One warm decode step and the prompt's prefill with the trace build, analysed."""
+    from zlc.bundle import MODE_DECODE, MODE_PREFILL
+    from zlc.runtime import trace as tr
+
+    be = m.sess.backend
+    labels = {}
+    try:
+        readable = json.loads((m.slim / "tables" / "gpu.json").read_text())
+        labels = {mode: tr.readable_labels(readable, mode)[0] for mode in (MODE_PREFILL, MODE_DECODE)}
+    except (OSError, ValueError):
+        pass
+    m.sess.reset()
+    tok, _ = m.sess.prefill(prompt)
+    for _ in range(3):  # warm: the same step (same token, same position) rewrites the same cache row
+        want, _ = be.launch(MODE_DECODE, [tok], len(prompt), False, False)
+    got, trace = be.trace_launch(MODE_DECODE, [tok], len(prompt))
+    table = tr.table_tasks(be.tasks, MODE_DECODE)
+    dec = tr.analyze(table, trace, labels.get(MODE_DECODE))
+    _, ptrace = be.trace_launch(MODE_PREFILL, prompt[:be.chunk], 0)
+    pre = tr.analyze(tr.table_tasks(be.tasks, MODE_PREFILL), ptrace, labels.get(MODE_PREFILL))
+    m.sess.reset()
+    return {"token_equal": got == want, "decode_report": tr.format_report(dec),
+            "prefill_report": tr.format_report(pre, path_rows=8),
+            "decode_span_us": dec.span / 1e3, "prefill_span_us": pre.span / 1e3,
+            "decode_ops": {k: vars(v) for k, v in dec.ops.items()},
+            "decode_idle_us_median": median_or_zero([x.idle for x in dec.sms]) / 1e3,
+            "decode_critical_path": {"tasks": len(dec.path),
+                                     "dependency_steps": sum(p.after == "dependency" for p in dec.path),
+                                     "busy_us": sum(p.busy for p in dec.path) / 1e3,
+                                     "by_op_us": {k: v / 1e3 for k, v in dec.path_ops.items()}}}
+
+
+def median_or_zero(xs: list[int]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
 
 
 @torch.no_grad()
@@ -539,6 +649,9 @@ def check_correctness(m: Loaded, prompt: list[int], steps: int, dev: torch.devic
 
 def time_zlc(sess: Any, prompt: list[int], n: int, chain: bool = True) -> dict[str, Any]:
     be = sess.backend
+    # timed launches block in cuStreamSynchronize; a kernel's first launch (its debug build, in the
+    # warm-up below) keeps its own deadline
+    be.deadline_s = None
     for _ in range(3):
         sess.reset()
         sess.prefill(prompt)
@@ -643,6 +756,9 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def write_report(out: Path, res: dict[str, Any]) -> str:
     lines = [f"# zlc on {res['env'].get('gpu', '?')}", ""]
+    for key, what in (("stuck", "STOPPED: a launch overran its deadline"), ("killed", "STOPPED at the time limit")):
+        if res.get(key):
+            lines += [f"**{what}**: {res[key]}", ""]
     env = res["env"]
     lines += [f"torch {env.get('torch')}, CUDA {env.get('cuda')}, {env.get('sms')} SMs, "
               f"copy bandwidth {env.get('copy_gbs', 0):.0f} GB/s (read+write), "
@@ -672,6 +788,22 @@ def write_report(out: Path, res: dict[str, Any]) -> str:
             lines.append(f"| {name} | {eng} | {_fmt(e.get('ttft_ms'), '.3f')} | {_fmt(med, '.1f')} | "
                          f"{_fmt(e.get('decode_us_p99'), '.1f')} | {_fmt(e.get('decode_us_mean', med), '.1f')} | "
                          f"{_fmt(floor, '.1f')} | {ratio} |")
+    drv = res.get("driver")
+    if drv:
+        lines += ["", "## Driver and cubins", "",
+                  f"driver for CUDA {drv.get('driver_cuda')} (cuDriverGetVersion {drv.get('driver_version')}), "
+                  f"{drv.get('gpu')} sm_{drv.get('cc')}", "",
+                  "| cubin | toolkit | PTX ISA | needs driver | cuModuleLoadData |", "|---|---|---|---|---|"]
+        for k, c in drv.get("cubins", {}).items():
+            lines.append(f"| {k} | {c.get('toolkit')} | {c.get('ptx_isa')} | {c.get('min_driver')} | {c['result']} |")
+        for name, m in res["models"].items():
+            for kk, c in (m.get("loaded") or {}).items():
+                lines.append(f"\n{name} {kk}: loaded {c.get('cubin')} (toolkit {c.get('toolkit')})"
+                             + (f", refused first: {'; '.join(c['refused'])}" if c.get("refused") else ""))
+    for name, m in res["models"].items():
+        t = m.get("trace")
+        if t:
+            lines += ["", f"## Where the time goes: {name}", "", "```", t["decode_report"], "", t["prefill_report"], "```"]
     lines += ["", f"ONNX Runtime: {res.get('ort')}", ""]
     lines += ["HBM floor: bytes one zlc decode step reads (bf16 weights + f32 KV cache at the mean context of "
               "the timed steps, from the manifest's roofline) / measured copy bandwidth. zlc chain/graph: "
@@ -683,6 +815,18 @@ def write_report(out: Path, res: dict[str, Any]) -> str:
     (out / "device_bench.md").write_text(text)
     (out / "device_bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     return text
+
+
+def stop_if_stuck(exc: BaseException, out: Path, res: dict[str, Any]) -> None:
+    """After a launch overran its deadline a kernel may still be running, and nothing else can use
+    the GPU: write the report (it says which task waits for which event) and exit 3 at once, with
+    no cleanup (synchronising would wait for the stuck kernel)."""
+    if type(exc).__name__ != "CudaTimeout":
+        return
+    res["stuck"] = f"{res['phase']}: {exc}"
+    print(write_report(out, res), flush=True)
+    sys.stdout.flush()
+    os._exit(3)
 
 
 def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | None, device: str = "cuda:0") -> int:
@@ -704,7 +848,25 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
     names = [m["name"] for m in index["models"] if models is None or m["name"] in models]
     res: dict[str, Any] = {"env": {"gpu": prop.name, "sms": prop.multi_processor_count, "torch": torch.__version__,
                                    "cuda": torch.version.cuda, "cc": f"{prop.major}.{prop.minor}"},
-                           "models": {n: {"engines": {}, "notes": []} for n in names}, "ort": ort_status()}
+                           "models": {n: {"engines": {}, "notes": []} for n in names}, "ort": ort_status(),
+                           "phase": "driver probe"}
+
+    def on_term(signum: int, frame: Any) -> None:  # device_check.sh's hard limit: say where it stopped
+        res["killed"] = f"after {time.perf_counter() - start:.0f} s, during {res['phase']}"
+        write_report(out, res)
+        print(f"STOPPED at the time limit during {res['phase']}", flush=True)
+        os._exit(124)  # no cleanup: a CUDA call may still be waiting for the GPU
+
+    signal.signal(signal.SIGTERM, on_term)
+    # phase 0: which cubins this driver loads (before anything runs on the GPU)
+    try:
+        res["driver"] = probe_cubins(inputs, index, dev.index or 0)
+        d = res["driver"]
+        print(f"driver for CUDA {d['driver_cuda']} ({d['driver_version']}); cubins: "
+              + ", ".join(f"{k} {v['result']}" for k, v in d["cubins"].items()), flush=True)
+    except Exception as exc:  # noqa: BLE001 - the backends still choose (and say why) below
+        res["driver"] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"driver probe FAILED: {res['driver']['error']}", flush=True)
     bw = copy_bandwidth(dev)
     res["env"]["copy_gbs"] = bw / 1e9
     print(f"{prop.name}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -715,6 +877,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
     # phase 1: load + correctness, every model (a failure here skips that model's timings)
     for name in names:
         r = res["models"][name]
+        res["phase"] = f"{name}: load and correctness"
         try:
             m = load_model(inputs / f"{name}.zlc", dev)
             loaded[name] = m
@@ -725,15 +888,33 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             ctx = PROMPT_LEN + WARM_STEPS + DECODE_STEPS / 2
             r["step_bytes"] = rf["weight_bytes"] + rf["kv_bytes_per_token"] * ctx
             r["floor_us"] = r["step_bytes"] / bw * 1e6
-            print(f"{name}: loaded in {m.seconds:.1f} s; {r['correctness']}", flush=True)
+            r["loaded"] = m.sess.backend.loaded
+            print(f"{name}: loaded in {m.seconds:.1f} s; cubins {r['loaded']}; {r['correctness']}", flush=True)
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other models still run
             r["error"] = f"{type(exc).__name__}: {exc}"
             print(f"{name}: FAILED {r['error']}", flush=True)
+            stop_if_stuck(exc, out, res)
+    write_report(out, res)
+
+    # the trace of one decode step (and of the prefill) per model: where the time goes
+    for name, m in loaded.items():
+        r = res["models"][name]
+        res["phase"] = f"{name}: trace"
+        try:
+            r["trace"] = trace_step(m, prompts[name])
+            print(f"{name}:\n{r['trace']['decode_report']}\n{r['trace']['prefill_report']}", flush=True)
+            if not r["trace"]["token_equal"]:
+                r["notes"].append("the trace build's token differs from the release build's")
+        except Exception as exc:  # noqa: BLE001
+            r["notes"].append(f"trace failed: {type(exc).__name__}: {exc}")
+            print(f"{name}: trace FAILED {type(exc).__name__}: {exc}", flush=True)
+            stop_if_stuck(exc, out, res)
     write_report(out, res)
 
     # phase 2: zlc latency; phase 3: PyTorch eager; phase 4: torch.compile (CUDA graphs)
     for name, m in loaded.items():
         r = res["models"][name]
+        res["phase"] = f"{name}: zlc timing"
         try:
             z = time_zlc(m.sess, prompts[name], DECODE_STEPS)
             r["engines"]["zlc step"] = summarize(z)
@@ -744,6 +925,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             r["zlc_tokens"] = z["tokens"]
         except Exception as exc:  # noqa: BLE001
             r["engines"]["zlc step"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+            stop_if_stuck(exc, out, res)
         try:  # CTRL in device memory, copied in and out each launch, instead of mapped host memory
             s2 = zlc_session(m.slim, m.manifest, m.host, dev, ctrl="device")
             try:
@@ -755,10 +937,12 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
                 r["notes"].append("ctrl=device tokens differ from ctrl=mapped tokens")
         except Exception as exc:  # noqa: BLE001
             r["engines"]["zlc step (ctrl in device memory)"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+            stop_if_stuck(exc, out, res)
         print(f"{name}: zlc {r['engines']}", flush=True)
     write_report(out, res)
     for name, m in loaded.items():
         r = res["models"][name]
+        res["phase"] = f"{name}: PyTorch eager timing"
         st = Stepper(m.base, int(m.manifest["model"]["max_seq"]), torch.bfloat16, dev)
         try:
             e = time_torch(st, prompts[name], DECODE_STEPS, dev, graphs=False)
@@ -778,6 +962,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
         if left() < 150:
             r["engines"]["torch.compile reduce-overhead"] = {"skipped": f"skipped: {left():.0f} s of budget left"}
             continue
+        res["phase"] = f"{name}: torch.compile"
         try:
             st = Stepper(m.base, int(m.manifest["model"]["max_seq"]), torch.bfloat16, dev)
             fn = torch.compile(st, mode="reduce-overhead", fullgraph=True, dynamic=False)
@@ -790,6 +975,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             r["engines"]["torch.compile reduce-overhead"] = {"skipped": f"failed: {type(exc).__name__}: {msg}"}
         print(f"{name}: compiled {r['engines'].get('torch.compile reduce-overhead')}", flush=True)
         write_report(out, res)
+    res["phase"] = "closing"
     for m in loaded.values():
         m.sess.close()
     res["seconds"] = time.perf_counter() - start
@@ -808,6 +994,9 @@ def main() -> int:
     ap.add_argument("--target", default="h200")
     ap.add_argument("--budget-s", type=float, default=420.0, help="device run: stop optional work after this")
     a = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # which cubin each kernel loaded
     if a.prepare:
         prepare(a.models or list(MODELS), a.inputs, a.max_seq, a.target)
         return 0

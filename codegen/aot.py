@@ -10,12 +10,20 @@ distinct compute capability in turn.
 Transport: the parent writes `request.json` into a temp dir, the child answers with
 `result.json` (plus one `<arch>.cubin` / `<arch>.ptx` per capability) and streams progress on
 stdout as marker-prefixed lines; anything else on stdout or stderr is only shown on a crash.
+
+Two toolkits. Triton assembles sm_90+ with `ptxas-blackwell` (CUDA 13.x), whose cubins need a
+CUDA 13 driver (>= 580), and sm_80/86/89 with the older `ptxas` (CUDA 12.9) its wheel also ships.
+So every sm_90+ kernel is assembled a second time, from the same PTX, by that older ptxas
+(`assemble`; the PTX header's ISA version lowered to what it accepts): a driver of the CUDA 12
+family then still has a cubin it loads. Each `CubinBuild` records its toolkit, PTX ISA and the
+oldest driver that loads it (`min_driver_version`), and the executor picks by driver version.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -27,7 +35,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +44,8 @@ from zlc.errors import ZlcError
 if TYPE_CHECKING:
     from zlc.targets import Target
 
-__all__ = ["AotError", "AotResult", "Resources", "check_ptx_sync", "compile_kernel", "resource_usage"]
+__all__ = ["AotError", "AotResult", "CubinBuild", "Resources", "assemble", "check_ptx_sync", "compile_kernel",
+           "cubin_elf_abi", "min_driver_version", "ptx_isa_version", "resource_usage"]
 
 
 class AotError(ZlcError):
@@ -58,6 +67,26 @@ class Resources:
     spill_loads: int
 
 
+@dataclass(frozen=True)
+class CubinBuild:
+    """One cubin of a kernel: the ptxas (and so the CUDA toolkit) that assembled it, from which PTX
+    ISA version, and the oldest driver that loads it."""
+
+    cubin: bytes
+    ptxas: str  # the tool's file name: "ptxas-blackwell" (Triton's for sm_90+) or "ptxas"
+    toolkit: str  # its CUDA release, "13.4"
+    ptx_isa: str  # the PTX `.version` it assembled, "9.4" (lowered for an older ptxas)
+    min_driver: int  # cuDriverGetVersion encoding (1000 * major + 10 * minor): min_driver_version(toolkit)
+    elf_abi: int  # the cubin's ELF EI_ABIVERSION (7 from CUDA 12 tools, 8 from CUDA 13)
+    resources: Resources
+    seconds: float  # the ptxas run (for Triton's own cubin: the whole triton.compile)
+
+    def entry(self, path: str) -> dict[str, Any]:
+        """The manifest's record of this cubin stored at `path` in the bundle."""
+        return {"cubin": path, "ptxas": self.ptxas, "toolkit": self.toolkit, "ptx_isa": self.ptx_isa,
+                "min_driver": self.min_driver, "elf_abi": self.elf_abi, "resources": asdict(self.resources)}
+
+
 @dataclass
 class AotResult:
     target: str  # e.g. "h100"
@@ -68,6 +97,10 @@ class AotResult:
     params: list[dict[str, Any]]  # full launch parameter list, in order, hidden ones flagged
     resources: Resources
     seconds: float  # wall time of the triton.compile call (shared by targets of one capability)
+    # every cubin of the kernel, preferred first: [0] is `cubin` (Triton's own ptxas), then the one
+    # the older ptxas assembled from the same PTX (sm_90+)
+    cubins: list[CubinBuild] = field(default_factory=list)
+    fallback_skipped: str | None = None  # why the older ptxas built no cubin, when it did not
 
 
 _METADATA_KEYS = (
@@ -98,11 +131,14 @@ def compile_kernel(
     num_warps: int = 4,
     num_stages: int = 1,
     on_progress: Callable[[str], None] | None = None,
+    legacy_ptxas: bool = True,
 ) -> list[AotResult]:
     """Compile `fn_name` (a `@triton.jit` function in `kernel_path`) for each target; one result per
     target, in order. `signature` maps every argument to a Triton type ("*fp32", "i32", ... or
-    "constexpr"); arguments named in `constexprs` may be left out of it. Constexpr values must be
-    JSON scalars. Targets sharing a compute capability share one compile."""
+    "constexpr"); arguments named in `constexprs` may be left out of it, and constexpr arguments
+    with a default may be left out of both. Constexpr values must be JSON scalars. Targets sharing
+    a compute capability share one compile. `legacy_ptxas`: also assemble the PTX with the wheel's
+    older `ptxas` where Triton used a newer one (sm_90+), into `AotResult.cubins`."""
     for t in targets:
         if t.compute_capability is None:
             raise AotError(
@@ -139,7 +175,20 @@ def compile_kernel(
                     f"{len(k['params'])} ({len(_HIDDEN_PARAMS)} hidden); Triton's launch ABI changed"
                 )
             res = resource_usage(cubin, function=k["metadata"]["name"], ptxas_log=k["ptxas_log"])
-            built[k["cc"]] = {**k, "cubin": cubin, "ptx": ptx, "resources": res}
+            tool, toolkit = Path(k["ptxas"]["path"]).name, str(k["ptxas"]["version"])
+            cubins = [CubinBuild(cubin=cubin, ptxas=tool, toolkit=toolkit, ptx_isa=ptx_isa_version(ptx),
+                                 min_driver=min_driver_version(toolkit), elf_abi=cubin_elf_abi(cubin),
+                                 resources=res, seconds=k["seconds"])]
+            skipped = None
+            if legacy_ptxas and tool != "ptxas":
+                old_tool = _nvidia_tool("ptxas")
+                if ptxas_release(old_tool) != toolkit:
+                    try:
+                        cubins.append(assemble(ptx, old_tool, function=k["metadata"]["name"]))
+                    except AotError as e:  # the bundle still has Triton's cubin; the manifest says why
+                        skipped = str(e)
+            built[k["cc"]] = {**k, "cubin": cubin, "ptx": ptx, "resources": res, "cubins": cubins,
+                              "skipped": skipped}
 
     out = []
     for t in targets:
@@ -147,6 +196,7 @@ def compile_kernel(
         out.append(AotResult(
             target=t.name, arch=t.arch, cubin=b["cubin"], ptx=b["ptx"], metadata=dict(b["metadata"]),
             params=[dict(p) for p in b["params"]], resources=b["resources"], seconds=b["seconds"],
+            cubins=list(b["cubins"]), fallback_skipped=b["skipped"],
         ))
     return out
 
@@ -217,6 +267,102 @@ def resource_usage(cubin: bytes, *, function: str | None = None, ptxas_log: str 
         registers=fields.get("REG", 0), stack=fields.get("STACK", 0), shared=fields.get("SHARED", 0),
         local=fields.get("LOCAL", 0), spill_stores=stores, spill_loads=loads,
     )
+
+
+def min_driver_version(toolkit: str) -> int:
+    """The oldest driver, as cuDriverGetVersion reports it (1000 * major + 10 * minor), that loads a
+    cubin the ptxas of CUDA `toolkit` ("13.4") assembled.
+
+    The rule is NVIDIA's "CUDA Compatibility" guide, section "Minor Version Compatibility"
+    (https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html): from
+    CUDA 11 on, device code built with any toolkit of a major release runs on every driver of that
+    major release from its minimum on (CUDA 12.x: >= 525, which reports 12.0; CUDA 13.x: >= 580,
+    13.0), and on every newer driver (binary backward compatibility). That holds for SASS (cubins)
+    only: PTX is JIT-compiled by the driver, which refuses an ISA version newer than its own
+    (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), so zlc ships no PTX for the driver. Before CUDA 11 a
+    toolkit needed the driver of its own release."""
+    major, minor = (int(x) for x in toolkit.split(".")[:2])
+    return 1000 * major + (0 if major >= 11 else 10 * minor)
+
+
+def ptx_isa_version(ptx: str) -> str:
+    """The PTX ISA version its header declares (`.version 9.4` -> "9.4")."""
+    m = re.search(r"^\s*\.version\s+(\d+\.\d+)", ptx, re.M)
+    if m is None:
+        raise AotError("the PTX has no .version directive")
+    return m.group(1)
+
+
+def cubin_elf_abi(cubin: bytes) -> int:
+    """EI_ABIVERSION of a cubin's ELF header (7 from CUDA 12 tools, 8 from CUDA 13)."""
+    if cubin[:4] != b"\x7fELF" or len(cubin) < 16:
+        raise AotError("not a cubin (no ELF header)")
+    return cubin[8]
+
+
+_RELEASES: dict[str, str] = {}
+
+
+def ptxas_release(tool: str) -> str:
+    """The CUDA release of a ptxas binary ("12.9"), from its --version."""
+    if tool not in _RELEASES:
+        out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+        m = re.search(r"release (\d+\.\d+)", out)
+        if m is None:
+            raise AotError(f"{tool} --version names no release: {out.strip()[:200]}")
+        _RELEASES[tool] = m.group(1)
+    return _RELEASES[tool]
+
+
+# Triton 3.9's ptxas flags (backends/nvidia/compiler.py, make_cubin) minus the temp paths: line
+# info for the SASS tools, -v for the spill log, and its register-allocation workaround.
+_PTXAS_FLAGS = ("-lineinfo", "-v", "--regAllocOptLevel=2")
+_UNSUPPORTED_ISA = re.compile(r"Unsupported \.version (\d+\.\d+); current version is '(\d+\.\d+)'")
+
+
+def assemble(ptx: str, tool: str, *, function: str | None = None) -> CubinBuild:
+    """`ptx` assembled by the ptxas at `tool` for the PTX's own `.target`, with Triton's flags.
+
+    Triton writes the ISA version of the ptxas it compiles with into the header (9.4 for CUDA
+    13.4), while the LLVM that produced the PTX targets at most ISA 9.0 features. When `tool` is
+    older than the header, ptxas refuses it naming the newest version it knows ("Unsupported
+    .version 9.4; current version is '8.8'"); the header is then lowered to that version and
+    assembled again. Sound because ptxas checks every instruction and directive against the
+    header's version ("Feature 'discard' requires PTX ISA .version 7.4 or later" is an error, not a
+    warning): a cubin comes back only when the PTX uses nothing the lower ISA lacks. The version
+    is never raised."""
+    target = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
+    if target is None:
+        raise AotError("the PTX has no .target directive")
+    arch = target.group(1)
+    isa = ptx_isa_version(ptx)
+    with tempfile.TemporaryDirectory(prefix="zlc-ptxas-") as tmp:
+        src, out = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        t0 = time.perf_counter()
+        for _ in range(2):
+            src.write_text(ptx)
+            proc = subprocess.run([tool, *_PTXAS_FLAGS, f"--gpu-name={arch}", str(src), "-o", str(out)],
+                                  capture_output=True, text=True)
+            m = _UNSUPPORTED_ISA.search(proc.stderr)
+            if proc.returncode == 0 or m is None or _isa_key(m.group(2)) >= _isa_key(isa):
+                break
+            isa = m.group(2)
+            ptx = re.sub(r"^(\s*\.version\s+)\d+\.\d+", rf"\g<1>{isa}", ptx, count=1, flags=re.M)
+        if proc.returncode != 0:
+            raise AotError(f"{Path(tool).name} {ptxas_release(tool)} cannot assemble the PTX (ISA {isa}, "
+                           f"{arch}): {_head(proc.stderr or proc.stdout)}")
+        seconds = time.perf_counter() - t0
+        cubin = out.read_bytes()
+    toolkit = ptxas_release(tool)
+    return CubinBuild(cubin=cubin, ptxas=Path(tool).name, toolkit=toolkit, ptx_isa=isa,
+                      min_driver=min_driver_version(toolkit), elf_abi=cubin_elf_abi(cubin),
+                      resources=resource_usage(cubin, function=function, ptxas_log=proc.stderr),
+                      seconds=seconds)
+
+
+def _isa_key(v: str) -> tuple[int, int]:
+    major, minor = v.split(".")
+    return int(major), int(minor)
 
 
 def check_ptx_sync(ptx: str) -> list[str]:
@@ -304,12 +450,16 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
     fn = _load_kernel(path, fn_name)
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     from triton.compiler.errors import CompilationError
 
     arg_names: list[str] = list(fn.arg_names)
     sig: dict[str, str] = req["signature"]
-    consts: dict[str, Any] = req["constexprs"]
+    # a constexpr argument with a default (the kernel's TRACE) compiles at its default unless given
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty and n not in sig}
+    consts: dict[str, Any] = {**defaults, **req["constexprs"]}
     full = {a: sig.get(a, "constexpr" if a in consts else None) for a in arg_names}
     missing = [a for a, t in full.items() if t is None]
     extra = [a for a in [*sig, *consts] if a not in full]
@@ -345,9 +495,11 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
         (work / f"{arch}.cubin").write_bytes(ck.asm["cubin"])
         (work / f"{arch}.ptx").write_text(ck.asm["ptx"])
         md = ck.metadata._asdict() if hasattr(ck.metadata, "_asdict") else dict(ck.metadata)
+        tool = get_ptxas(cc)  # the ptxas Triton ran for this capability (ptxas-blackwell from sm_90)
         kernels.append({
             "cc": cc, "arch": arch, "seconds": seconds, "params": params, "ptxas_log": log.getvalue(),
             "metadata": {k: md.get(k) for k in _METADATA_KEYS},
+            "ptxas": {"path": str(tool.path), "version": str(tool.version)},
         })
         progress(f"{arch}: compiled {fn_name} in {seconds:.1f} s")
     return {"ok": True, "kernels": kernels}

@@ -108,9 +108,13 @@ def _lower(b: Build) -> None:
 
 
 def _verify(b: Build) -> None:
+    from .verifier import megakernel_fit
+
+    assert b.lowered is not None
+    # Every op that does not fit the megakernel, named, before the schedule stage meets the first.
+    megakernel_fit(b.lowered.decode, b.max_seq).check(b.name)
     if not b.verify:
         return
-    assert b.lowered is not None
     b.report("verify", "against ONNX Runtime" if isinstance(b.model, (str, Path)) else "against the module")
     b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
@@ -177,44 +181,94 @@ def _native(b: Build) -> None:
     b.native = built.manifest()
 
 
+# The builds of each kernel: `release` always; with --debug-waits the diagnostic ones too, which
+# the CUDA executor runs for the first launch of each kernel (debug: waits time out into CTRL's
+# error words) and for traced launches (trace: SM id and timestamps per task). Extra constexprs:
+_BUILDS: dict[str, dict[str, int]] = {"release": {}, "debug": {"DEBUG": 1}, "trace": {"TRACE": 1}}
+
+
 def _aot(b: Build) -> None:
     gpu_targets = [t for t in b.targets if t.is_gpu]
     if gpu_targets:
+        import os
+        from concurrent.futures import ThreadPoolExecutor
+
         from zlc.bundle import MODE_DECODE, MODE_PREFILL
-        from zlc.codegen.aot import check_ptx_sync, compile_kernel
+        from zlc.codegen.aot import compile_kernel
         from zlc.codegen.emit import ENTRY, signature
 
         gp = b.programs["gpu"]
         (b.tmp / "kernels").mkdir()
         # Two kernels from the one source, per target: STEP picks the prefill or the decode bodies,
         # so neither carries the other's registers (docs/megakernel.md, "Two kernels").
-        built: dict[str, dict[str, Any]] = {}
-        for step, suffix in ((MODE_DECODE, ""), (MODE_PREFILL, ".prefill")):
-            kind = "decode" if step == MODE_DECODE else "prefill"
-            b.report("aot", f"{kind} kernel: {', '.join(t.name for t in gpu_targets)} (ptxas)")
-            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype),
-                                     dict(gp.constexprs(debug=b.debug_waits), STEP=step), gpu_targets,
-                                     num_warps=gp.tiling.num_warps, on_progress=lambda s: b.report("aot", s))
+        builds = [k for k in _BUILDS if k == "release" or b.debug_waits]
+        jobs = [(kind, step, build) for kind, step in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL))
+                for build in builds]
+        names = ", ".join(t.name for t in gpu_targets)
+
+        def run(job: tuple[str, int, str]) -> list[Any]:
+            kind, step, build = job
+            what = kind if build == "release" else f"{kind} ({build})"
+            b.report("aot", f"{what} kernel: {names} (ptxas)")
+            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, **_BUILDS[build]}
+            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), consts, gpu_targets,
+                                     num_warps=gp.tiling.num_warps,
+                                     on_progress=lambda s: b.report("aot", f"{what}: {s}"))
+            for r in {r.arch: r for r in results}.values():
+                for c in r.cubins[1:]:
+                    b.report("aot", f"{what}: {r.arch}: assembled again with ptxas {c.toolkit} (PTX ISA {c.ptx_isa}) "
+                                    f"in {c.seconds:.1f} s")
+                if r.fallback_skipped:
+                    b.report("aot", f"{what}: {r.arch}: no cubin from the older ptxas: {r.fallback_skipped}")
+            return results
+
+        # one compiler process per job; they are independent (a few GB of memory at most each)
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1, 4))) as pool:
+            compiled = dict(zip(jobs, pool.map(run, jobs), strict=True))
+        entries: dict[str, dict[str, dict[str, Any]]] = {}
+        for (kind, _, build), results in compiled.items():
             for r in results:
-                problems = check_ptx_sync(r.ptx)
-                if problems:
-                    raise ZlcError(f"{r.target} ({kind} kernel): the PTX lacks the memory ordering the megakernel "
-                                   f"relies on: {'; '.join(problems)} (a Triton upgrade changed its lowering?)")
-                (b.tmp / "kernels" / f"{r.target}{suffix}.cubin").write_bytes(r.cubin)
-                (b.tmp / "kernels" / f"{r.target}{suffix}.ptx").write_text(r.ptx)
-                built.setdefault(r.target, {})[kind] = {
-                    "cubin": f"kernels/{r.target}{suffix}.cubin", "ptx": f"kernels/{r.target}{suffix}.ptx",
-                    "metadata": r.metadata, "params": r.params, "resources": asdict(r.resources),
-                    "compile_seconds": round(r.seconds, 3), "arch": r.arch}
-        for name, kinds in built.items():
-            dec = kinds["decode"]  # the target's own fields: the decode kernel, what a step runs
-            b.target_info[name] = {"arch": dec.pop("arch"), "tiling": "gpu", "grid": get_target(name).sms, **dec,
-                                   "prefill": {k: v for k, v in kinds["prefill"].items() if k != "arch"}}
+                entries.setdefault(r.target, {}).setdefault(kind, {})[build] = _kernel_entry(b.tmp, r, kind, build)
+        for name, kinds in entries.items():
+            dec, pre = kinds["decode"], kinds["prefill"]
+            # the target's own fields: the decode kernel's release build, what a step runs
+            info = {"arch": dec["release"].pop("arch"), "tiling": "gpu", "grid": get_target(name).sms,
+                    **dec["release"]}
+            prefill = {k: v for k, v in pre["release"].items() if k != "arch"}
+            for build in builds[1:]:
+                info[build] = {k: v for k, v in dec[build].items() if k != "arch"}
+                prefill[build] = {k: v for k, v in pre[build].items() if k != "arch"}
+            b.target_info[name] = {**info, "prefill": prefill}
     assert b.lowered is not None
     for tg in b.targets:
         info = b.target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu",
                                                   "grid": b.tilings["cpu"]["grid"]})
         info["roofline"] = roofline(b.lowered, tg, b.wdtype)
+
+
+def _kernel_entry(root: Path, r: Any, kind: str, build: str) -> dict[str, Any]:
+    """Writes one compiled kernel's files (every toolkit's cubin, the PTX) and returns its manifest
+    entry: `kernels/<target>[.prefill][.<build>].cubin` is Triton's own ptxas's, `....cu129.cubin`
+    the older ptxas's (e.g. CUDA 12.9) from the same PTX; `cubins` lists them, preferred first."""
+    from zlc.codegen.aot import check_ptx_sync
+
+    problems = check_ptx_sync(r.ptx)
+    if problems:
+        raise ZlcError(f"{r.target} ({kind} kernel, {build} build): the PTX lacks the memory ordering the "
+                       f"megakernel relies on: {'; '.join(problems)} (a Triton upgrade changed its lowering?)")
+    stem = "kernels/" + r.target + ("" if kind == "decode" else ".prefill") + ("" if build == "release" else f".{build}")
+    (root / f"{stem}.ptx").write_text(r.ptx)
+    cubins = []
+    for i, c in enumerate(r.cubins):
+        path = f"{stem}.cubin" if i == 0 else f"{stem}.cu{c.toolkit.replace('.', '')}.cubin"
+        (root / path).write_bytes(c.cubin)
+        cubins.append(c.entry(path))
+    entry: dict[str, Any] = {
+        "cubin": cubins[0]["cubin"], "ptx": f"{stem}.ptx", "metadata": r.metadata, "params": r.params,
+        "resources": asdict(r.resources), "compile_seconds": round(r.seconds, 3), "arch": r.arch, "cubins": cubins}
+    if r.fallback_skipped:
+        entry["fallback_skipped"] = r.fallback_skipped
+    return entry
 
 
 def _tokenizer(b: Build) -> None:
@@ -387,11 +441,15 @@ def _prepare_out(outdir: Path, force: bool) -> None:
                            "choose another -o (or --force to replace it)")
 
 
-def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float) -> dict[str, Any]:
+def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float,
+                     steps: int = 4) -> dict[str, Any]:
+    """The lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
+    else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
+    prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
     if isinstance(model, (str, Path)) and Path(model).is_file():
         from .verifier import verify
 
-        rep = verify(model, steps=4, prompt_len=8, atol=atol, max_seq=64)
+        rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
         return {"status": "passed" if rep.ok else "failed", "ok": rep.ok, "reference": "onnxruntime",
                 "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
     import torch
@@ -400,15 +458,29 @@ def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: fl
 
     if example_inputs is None:
         return {"status": "skipped", "ok": True, "summary": "no reference"}
-    ids = example_inputs[0]
+    prompt = [int(i) for i in example_inputs[0][0]]
+    steps = max(0, min(steps, lowered.max_seq - len(prompt)))
+    ids = list(prompt)
     with torch.no_grad():
-        out = model(ids)
-    ref = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
-    got = ReferenceSession.from_lowered(lowered).prefill([int(i) for i in ids[0]])
-    err = float((ref[0].float() - got.float()).abs().max())
-    ok = err <= atol
+        for _ in range(steps + 1):  # the module's greedy continuation, one token per call
+            ref = _logits(model(torch.tensor([ids])))[0].float()
+            ids.append(int(ref[-1].argmax()))
+        ids.pop()
+        sess = ReferenceSession.from_lowered(lowered)
+        got = [sess.prefill(prompt).float()] + [sess.step(t).float()[None] for t in ids[len(prompt):]]
+    err = float((ref - torch.cat(got)).abs().max())
+    zlc_tokens = [int(r.argmax()) for r in torch.cat(got)[len(prompt) - 1:]]
+    tokens_equal = zlc_tokens == [int(r.argmax()) for r in ref[len(prompt) - 1:]]
+    ok = err <= atol and tokens_equal
     return {"status": "passed" if ok else "failed", "ok": ok, "reference": "torch module",
-            "max_abs": err, "summary": f"prefill max abs {err:.3g} (atol {atol})"}
+            "max_abs": err, "tokens_equal": tokens_equal,
+            "summary": f"prefill and {steps} decode steps: max abs {err:.3g} (atol {atol}), greedy tokens "
+                       f"{'equal' if tokens_equal else 'differ'}"}
+
+
+def _logits(out: Any) -> Any:
+    """A module's logits, whatever it returns: an HF output, a tuple, or the tensor."""
+    return out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
 
 
 def _write_tables(root: Path, key: str, prog: Any, debug: bool) -> dict[str, Any]:

@@ -52,10 +52,17 @@ CTRL_MODE, CTRL_T, CTRL_PAST, CTRL_OUT_TOKEN, CTRL_ERROR, CTRL_ALL_LOGITS, CTRL_
 CTRL_TOKENS = 16  # tokens of this step start here
 MODE_PREFILL, MODE_DECODE = 0, 1
 ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or lost signal)
+# debug builds: the first wait that timed out. CTRL_ERR_EVENT holds its event + 1 (0: none; the
+# first timeout claims it with a compare-and-swap), then its target, the count it saw, and the
+# low 32 bits of the waiting task's row address (the host knows where it put TASKS)
+CTRL_ERR_EVENT, CTRL_ERR_TARGET, CTRL_ERR_SEEN, CTRL_ERR_ROW = 7, 8, 9, 10
 
 # ---- counters (CNT, int32) -------------------------------------------------------------------
 CNT_QUEUE, CNT_EXIT = 0, 1
 CNT_EVENTS = 16  # event e lives at CNT[16 + e]
+# trace builds (TRACE=1): int32 records after the counters, from the first multiple of TRACE_WORDS
+# past them: a header, one per task of the launch's table, one per program (runtime/trace.py)
+TRACE_WORDS = 8
 
 # ---- files ----------------------------------------------------------------------------------
 

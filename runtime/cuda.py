@@ -28,11 +28,33 @@ copied only when asked for, and only the rows asked for.
 auto-advance (CTRL_AUTO_ADVANCE) writes each step's token back as the next step's input and bumps
 PAST, so n launches are queued back to back, each followed by a 4-byte device copy of OUT_TOKEN
 into a history buffer; `graph=True` captures that sequence once as a CUDA graph and replays it.
+
+A first run that cannot be wasted (docs/megakernel.md, "Debugging"):
+
+- **Which cubin.** Each kernel lists one cubin per toolkit (`cubins` in the manifest: Triton's
+  CUDA 13 ptxas, and the CUDA 12.9 one for sm_90+). The executor keeps those whose `min_driver`
+  the driver (cuDriverGetVersion) meets, loads them in the bundle's order and moves to the next
+  when the driver refuses one (CUDA_ERROR_UNSUPPORTED_PTX_VERSION, NO_BINARY_FOR_GPU,
+  INVALID_IMAGE), and logs what it loaded (`loaded`); a driver too old for all of them is one
+  error naming both versions.
+- **The first launch of each kernel** (prefill, decode) runs its debug-waits build when the bundle
+  has one (`zlc compile --debug-waits`): a wait that never completes times out in the kernel into
+  CTRL's error words (which task waited for which event), and the host polls the stream
+  (cuStreamQuery) against `first_launch_deadline_s` instead of blocking in cuStreamSynchronize. A
+  launch still running at the deadline raises `CudaTimeout` with what the control block and the
+  counters say (tasks claimed, programs exited, the first tasks whose waits are unmet); the
+  session is then unusable (the kernel may still run; the process's exit ends it).
+- **Traced launches** (`trace_launch`) run the trace build: SM id and timestamps per task, read
+  back as a `zlc.runtime.trace.Trace`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,17 +63,27 @@ import numpy as np
 
 from zlc import bundle as fmt
 
+from . import trace as tr
 from .cuda_driver import CudaDriver, Driver
 from .cuda_launch import (
+    BUILDS,
+    LOAD_FALLBACK_ERRORS,
     CudaError,
+    CudaLoadError,
+    CudaTimeout,
     LaunchConfig,
+    PackedParams,
     align_up,
     arena_bytes,
     cubin_runs_on,
+    cuda_version,
+    loadable_cubins,
     pack_params,
     read_safetensors,
     select_target,
 )
+
+log = logging.getLogger("zlc.runtime.cuda")
 
 
 def _i32_view(addr: int, n: int) -> np.ndarray:
@@ -72,11 +104,16 @@ class CudaBackend:
     `weights` replaces the bundle's weights.safetensors with host arrays {"W": ..., "P": ...}
     whose raw bytes are the arenas (bf16 as uint16/int16/bfloat16 views); the benchmark uses it
     for models whose weights are generated on the device. `ctrl` is "mapped" (pinned host memory
-    the GPU reads directly; default) or "device" (copied in and out each launch)."""
+    the GPU reads directly; default) or "device" (copied in and out each launch).
+
+    With debug builds in the bundle, the first launch of each kernel runs the debug build under
+    `first_launch_deadline_s`; `debug` runs every launch with it (and reads the counters back
+    after each). `deadline_s` bounds every other launch the same way (None: block until done)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: int = 0,
                  debug: bool = False, target: str | None = None, ctrl: str = "mapped",
-                 weights: Mapping[str, np.ndarray] | None = None, driver: Driver | None = None):
+                 weights: Mapping[str, np.ndarray] | None = None, driver: Driver | None = None,
+                 first_launch_deadline_s: float = 30.0, deadline_s: float | None = None):
 
         if ctrl not in ("mapped", "device"):
             raise CudaError(f"ctrl must be 'mapped' or 'device', got {ctrl!r}")
@@ -90,8 +127,14 @@ class CudaBackend:
         self.mapped = ctrl == "mapped"
         self._ptrs: list[int] = []
         self._host: list[int] = []
-        self._graphs: dict[int, Any] = {}
+        self._graphs: dict[tuple[int, str], Any] = {}
         self._stream: Any = None
+        self.first_launch_deadline_s, self.deadline_s = first_launch_deadline_s, deadline_s
+        self.checked: set[str] = set()  # kernels whose first launch (debug build, deadline) passed
+        self.loaded: dict[str, dict[str, Any]] = {}  # "decode/release" -> the cubin entry it runs, and why
+        self.stuck = False  # a launch overran its deadline: the context is not usable any more
+        self._fns: dict[tuple[str, str], tuple[Any, LaunchConfig, PackedParams]] = {}
+        self._labels: dict[int, tuple[list[str], list[str]]] = {}
         self.drv: Driver = driver if driver is not None else CudaDriver()
         try:
             self._setup(device, target, weights)
@@ -102,30 +145,41 @@ class CudaBackend:
     def _setup(self, device: int, target: str | None, weights: Mapping[str, np.ndarray] | None) -> None:
         man, drv = self.manifest, self.drv
         self.info = drv.open(device)
+        self.driver_version = drv.driver_version()
         if target is None:
             target = select_target(man, self.info.cc, device_name=self.info.name, sms=self.info.sms)
         elif not cubin_runs_on(str(man.get("targets", {}).get(target, {}).get("arch", "")), self.info.cc):
             arch = man.get("targets", {}).get(target, {}).get("arch", "no cubin")
             raise CudaError(f"target '{target}' ({arch}) does not run on this GPU (sm_{self.info.cc}, {self.info.name})")
-        # Two kernels of one source: the decode kernel (the target's own fields) and the prefill one.
+        # Two kernels of one source: the decode kernel (the target's own fields) and the prefill one,
+        # each in its release build and, when the bundle has them, the debug and trace builds.
+        self.target = target
         self.config = cfg = LaunchConfig.from_manifest(man, target, sms=self.info.sms)
         self.prefill_config = pcfg = LaunchConfig.from_manifest(man, target, sms=self.info.sms, kernel="prefill")
-        tiling = man["tilings"][man["targets"][target]["tiling"]]
+        self.builds = {(k, b) for k, c in (("decode", cfg), ("prefill", pcfg)) for b in BUILDS
+                       if c.has_build(man, b)}
+        self.tiling = man["targets"][target]["tiling"]
+        tiling = man["tilings"][self.tiling]
         self.layout = lay = tiling["layout"]
         self.chunk = int(lay["chunk"])
-        self.fn = drv.load_function((self.bundle / cfg.cubin).read_bytes(), cfg.function, cfg.shared)
-        self.prefill_fn = drv.load_function((self.bundle / pcfg.cubin).read_bytes(), pcfg.function, pcfg.shared)
+        self.fn = self._load(cfg)
+        self.prefill_fn = self._load(pcfg)
 
         ptr: dict[str, int] = {}
         tables = read_safetensors(self.bundle / tiling["tables"])
+        self.tasks = np.ascontiguousarray(tables["tasks"][1])  # host copy: diagnoses and traces read it
         for param, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
             ptr[param] = self._upload(np.ascontiguousarray(tables[key][1]))
         ptr["W"], ptr["P"] = self._upload_weights(weights)
         ptr["A"] = self._alloc(4 * int(lay["a_size"]))
         drv.memset(ptr["A"], 4 * int(lay["a_size"]))  # as the interpreter's: no stale NaNs in unwritten rows
         self.cnt_words = int(lay["counters_size"])
-        ptr["CNT"] = self._alloc(4 * self.cnt_words)
-        drv.memset(ptr["CNT"], 4 * self.cnt_words)  # zeroed once; every launch leaves it zero
+        # a trace build writes its records after the counters (zlc.runtime.trace)
+        self.trace_offset = tr.trace_offset(int(self.tasks[4]))
+        tracing = any(b == "trace" for _, b in self.builds)
+        cnt_alloc = self.trace_offset + tr.trace_words(self.tasks, cfg.grid) if tracing else self.cnt_words
+        ptr["CNT"] = self._alloc(4 * cnt_alloc)
+        drv.memset(ptr["CNT"], 4 * cnt_alloc)  # zeroed once; every launch leaves the counters zero
         self.ctrl_words = int(lay["ctrl_size"])
         host, dev = drv.host_alloc(4 * self.ctrl_words, mapped=self.mapped)
         self._host.append(host)
@@ -135,6 +189,8 @@ class CudaBackend:
         self.pointers = ptr
         self.params = pack_params(cfg.params, dict(ptr, **self._scratch(cfg)))
         self.prefill_params = pack_params(pcfg.params, dict(ptr, **self._scratch(pcfg)))
+        self._fns[("decode", "release")] = (self.fn, cfg, self.params)
+        self._fns[("prefill", "release")] = (self.prefill_fn, pcfg, self.prefill_params)
         lg = lay["logits"]
         self.logits_offset, self.logits_rows, self.logits_cols = int(lg["offset"]), int(lg["rows"]), int(lg["cols"])
         out_host, _ = drv.host_alloc(4 * self.logits_rows * self.logits_cols, mapped=False)
@@ -154,6 +210,48 @@ class CudaBackend:
             nbytes = sc.nbytes(cfg.grid, cfg.num_ctas)
             out[name] = align_up(self._alloc(nbytes + sc.align), sc.align) if nbytes else 0
         return out
+
+    def _load(self, cfg: LaunchConfig) -> Any:
+        """Loads the first of `cfg`'s cubins the driver takes: those whose min_driver it meets, in
+        the bundle's order, moving on when the driver refuses one as too new or not for this GPU."""
+        what = f"target {cfg.target}'s {cfg.kernel} kernel ({cfg.build} build)"
+        tried: list[str] = []
+        for c in loadable_cubins(cfg.cubins, self.driver_version, what):
+            name = f"{c['cubin']} (toolkit {c.get('toolkit', '?')}, PTX ISA {c.get('ptx_isa', '?')})"
+            path = self.bundle / str(c["cubin"])
+            if not path.is_file():
+                tried.append(f"{name}: not in the bundle")
+                continue
+            try:
+                fn = self.drv.load_function(path.read_bytes(), cfg.function, cfg.shared)
+            except CudaLoadError as e:
+                if e.code not in LOAD_FALLBACK_ERRORS:
+                    raise
+                tried.append(f"{name}: {e.name}")
+                log.warning("%s: the driver (CUDA %s) refused %s: %s", what, cuda_version(self.driver_version),
+                            name, e.name)
+                continue
+            self.loaded[f"{cfg.kernel}/{cfg.build}"] = dict(c, refused=list(tried))
+            log.info("%s: loaded %s on a driver for CUDA %s", what, name, cuda_version(self.driver_version))
+            return fn
+        raise CudaError(f"the driver (CUDA {cuda_version(self.driver_version)}) loads no cubin of {what}: "
+                        + "; ".join(tried))
+
+    def _function(self, kind: str, build: str) -> tuple[Any, LaunchConfig, PackedParams]:
+        """The loaded function, launch config and parameters of one kernel's build (loaded once)."""
+        if (kind, build) not in self._fns:
+            if (kind, build) not in self.builds:
+                raise CudaError(f"the bundle has no {build} build of the {kind} kernel (compile with --debug-waits)")
+            cfg = LaunchConfig.from_manifest(self.manifest, self.target, sms=self.info.sms, kernel=kind, build=build)
+            fn = self._load(cfg)
+            self._fns[(kind, build)] = (fn, cfg, pack_params(cfg.params, dict(self.pointers, **self._scratch(cfg))))
+        return self._fns[(kind, build)]
+
+    def _build_for(self, kind: str) -> str:
+        """The debug build for a kernel's first launch (and every launch with `debug`), if shipped."""
+        if (kind, "debug") in self.builds and (self.debug or kind not in self.checked):
+            return "debug"
+        return "release"
 
     def _alloc(self, nbytes: int) -> int:
         p = self.drv.alloc(nbytes)
@@ -192,6 +290,7 @@ class CudaBackend:
             raise CudaError(f"a launch takes 1..{self.chunk} tokens, got {len(ids)}")
         c[fmt.CTRL_MODE], c[fmt.CTRL_T], c[fmt.CTRL_PAST] = mode, len(ids), past
         c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_AUTO_ADVANCE], c[fmt.CTRL_ERROR] = int(all_logits), int(auto_advance), 0
+        c[fmt.CTRL_ERR_EVENT:fmt.CTRL_ERR_ROW + 1] = 0  # the debug build's record of a timed-out wait
         c[fmt.CTRL_OUT_TOKEN] = -1
         c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = np.asarray(ids, dtype=np.int32)
         if not self.mapped:
@@ -202,17 +301,76 @@ class CudaBackend:
         if not self.mapped:
             self.drv.dtoh(_host_address(self.ctrl), self.pointers["CTRL"], 4 * fmt.CTRL_TOKENS + 4, self._stream)
 
-    def _launch_kernel(self, mode: int = fmt.MODE_DECODE) -> None:
-        if mode == fmt.MODE_DECODE:
-            fn, cfg, params = self.fn, self.config, self.params
-        else:
-            fn, cfg, params = self.prefill_fn, self.prefill_config, self.prefill_params
+    def _launch_kernel(self, mode: int = fmt.MODE_DECODE, build: str = "release") -> None:
+        fn, cfg, params = self._function("decode" if mode == fmt.MODE_DECODE else "prefill", build)
         self.drv.launch(fn, cfg.grid, cfg.block, cfg.shared, self._stream, params.address)
 
-    def _check(self) -> None:
+    def _wait(self, mode: int, build: str) -> None:
+        """Until the stream's work is done: blocking, or polling against a deadline (the debug and
+        trace builds, or `deadline_s`) so that a launch that never finishes is reported, not waited for."""
+        deadline = self.first_launch_deadline_s if build != "release" else self.deadline_s
+        if deadline is None:
+            self.drv.sync(self._stream)
+            return
+        end, pause = time.monotonic() + deadline, 20e-6
+        while not self.drv.query(self._stream):
+            if time.monotonic() >= end:
+                self.stuck = True
+                kind = "decode" if mode == fmt.MODE_DECODE else "prefill"
+                raise CudaTimeout(f"the {kind} kernel ({build} build) did not finish within {deadline:g} s: "
+                                  f"{self._stuck_report(mode)}")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+    def _stuck_report(self, mode: int) -> str:
+        """What CTRL and the counters say about a launch that is still running. Device memory is
+        read with synchronous copies on the default stream (the launch's stream is non-blocking,
+        so they do not queue behind it), from a helper thread given a few seconds."""
+        ctrl = self.ctrl.copy()
+        cnt = np.zeros(self.cnt_words, dtype=np.int32)
+        done: dict[str, bool] = {}
+
+        def read() -> None:
+            if not self.mapped:
+                self.drv.dtoh(_host_address(ctrl), self.pointers["CTRL"], 4 * fmt.CTRL_TOKENS)
+            self.drv.dtoh(_host_address(cnt), self.pointers["CNT"], cnt.nbytes)
+            done["ok"] = True
+
+        th = threading.Thread(target=read, daemon=True, name="zlc-cuda-stuck-report")
+        th.start()
+        th.join(5.0)
+        labels, events = self._readable(mode)
+        parts = [f"error flags {int(ctrl[fmt.CTRL_ERROR])}"]
+        first = tr.describe_timeout(ctrl, self.tasks, mode, self.pointers["TASKS"], labels=labels,
+                                    event_labels=events)
+        if first:
+            parts.append(f"first timed-out wait: {first}")
+        if done.get("ok"):
+            parts.append(tr.diagnose_stuck(self.tasks, mode, cnt, grid=self.config.grid, labels=labels,
+                                           event_labels=events))
+        else:
+            parts.append("the counters could not be read back (the copy did not return)")
+        return "; ".join(parts)
+
+    def _readable(self, mode: int) -> tuple[list[str] | None, list[str] | None]:
+        """Task and event labels from tables/<tiling>.json, when the bundle has it."""
+        if mode not in self._labels:
+            path = self.bundle / "tables" / f"{self.tiling}.json"
+            try:
+                self._labels[mode] = tr.readable_labels(json.loads(path.read_text()), mode)
+            except (OSError, ValueError):
+                self._labels[mode] = ([], [])
+        labels, events = self._labels[mode]
+        return labels or None, events or None
+
+    def _check(self, mode: int = fmt.MODE_DECODE) -> None:
         err = int(self.ctrl[fmt.CTRL_ERROR])
         if err:
-            raise CudaError(f"the megakernel raised error flags {err} (a wait timed out)")
+            labels, events = self._readable(mode)
+            first = tr.describe_timeout(self.ctrl, self.tasks, mode, self.pointers["TASKS"], labels=labels,
+                                        event_labels=events)
+            raise CudaError(f"the megakernel raised error flags {err} (a wait timed out)"
+                            + (f": {first}" if first else ""))
         if self.debug:
             cnt = np.zeros(self.cnt_words, dtype=np.int32)
             self.drv.dtoh(_host_address(cnt), self.pointers["CNT"], cnt.nbytes)
@@ -223,9 +381,12 @@ class CudaBackend:
     # -- Backend protocol
     def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
                want_logits: bool) -> tuple[int, np.ndarray | None]:
+        self._usable()
         self.drv.activate()  # sessions may be driven from another thread than the one that opened them
+        kind = "decode" if mode == fmt.MODE_DECODE else "prefill"
+        build = self._build_for(kind)
         self._write_ctrl(mode, ids, past, all_logits, auto_advance=False)
-        self._launch_kernel(mode)
+        self._launch_kernel(mode, build)
         self._read_ctrl_back()
         rows = 0
         if want_logits:
@@ -233,8 +394,9 @@ class CudaBackend:
             rows = len(ids) - first
             src = self.pointers["A"] + 4 * (self.logits_offset + first * self.logits_cols)
             self.drv.dtoh(_host_address(self._logits_host), src, 4 * rows * self.logits_cols, self._stream)
-        self.drv.sync(self._stream)
-        self._check()
+        self._wait(mode, build)
+        self._check(mode)
+        self.checked.add(kind)
         tok = int(self.ctrl[fmt.CTRL_OUT_TOKEN])
         if not want_logits:
             return tok, None
@@ -247,15 +409,21 @@ class CudaBackend:
         max_seq = int(self.manifest["model"]["max_seq"])
         if n < 1 or past + n > max_seq:
             raise CudaError(f"decode_chain: {n} steps from position {past} exceed max_seq={max_seq}")
+        self._usable()
+        if self._build_for("decode") == "debug" and not self.debug:
+            # the decode kernel's first launch, checked: this same step, which the chain then
+            # recomputes (the same token at the same position writes the same cache row)
+            self.launch(fmt.MODE_DECODE, [token], past, False, False)
+        build = self._build_for("decode")
         self.drv.activate()
         self._write_ctrl(fmt.MODE_DECODE, [token], past, False, auto_advance=True)
         out_token = self.pointers["CTRL"] + 4 * fmt.CTRL_OUT_TOKEN
         if graph:
-            g = self._graphs.get(n)
+            g = self._graphs.get((n, build))
             if g is None:
                 self.drv.begin_capture(self._stream)
                 try:
-                    self._enqueue_chain(n, out_token)
+                    self._enqueue_chain(n, out_token, build)
                 except BaseException:
                     try:  # leave capture mode; the partial graph is discarded
                         self.drv.graph_free(self.drv.end_capture(self._stream))
@@ -263,25 +431,55 @@ class CudaBackend:
                         pass
                     raise
                 g = self.drv.end_capture(self._stream)
-                self._graphs[n] = g
+                self._graphs[(n, build)] = g
             self.drv.graph_launch(g, self._stream)
         else:
-            self._enqueue_chain(n, out_token)
+            self._enqueue_chain(n, out_token, build)
         self.drv.dtoh(_host_address(self._hist_host), self._hist, 4 * n, self._stream)
         self._read_ctrl_back()
-        self.drv.sync(self._stream)
+        self._wait(fmt.MODE_DECODE, build)
         self.ctrl[fmt.CTRL_AUTO_ADVANCE] = 0
         self._check()  # the next launch rewrites CTRL (auto-advance off) in either ctrl mode
         return [int(t) for t in self._hist_host[:n]]
 
-    def _enqueue_chain(self, n: int, out_token: int) -> None:
+    def _enqueue_chain(self, n: int, out_token: int, build: str = "release") -> None:
         for i in range(n):
-            self._launch_kernel()
+            self._launch_kernel(fmt.MODE_DECODE, build)
             self.drv.dtod(self._hist + 4 * i, out_token, 4, self._stream)
+
+    def trace_launch(self, mode: int, ids: list[int], past: int, *, all_logits: bool = False) -> tuple[int, tr.Trace]:
+        """One launch with the kernel's trace build: the same computation as `launch` (it writes the
+        cache rows at `past..`), plus, per task, its SM and %globaltimer start/end. Returns the
+        greedy token and the trace (analyse it with `zlc.runtime.trace.analyze`)."""
+        self._usable()
+        kind = "decode" if mode == fmt.MODE_DECODE else "prefill"
+        _, cfg, _ = self._function(kind, "trace")
+        words = tr.trace_words(self.tasks, cfg.grid)
+        region = self.pointers["CNT"] + 4 * self.trace_offset
+        self.drv.activate()
+        self.drv.memset(region, 4 * words)
+        self._write_ctrl(mode, ids, past, all_logits, auto_advance=False)
+        self._launch_kernel(mode, "trace")
+        self._read_ctrl_back()
+        self._wait(mode, "trace")
+        self._check(mode)
+        out = np.zeros(words, dtype=np.int32)
+        self.drv.dtoh(_host_address(out), region, out.nbytes)
+        return int(self.ctrl[fmt.CTRL_OUT_TOKEN]), tr.read_trace(out, self.tasks, mode, cfg.grid)
+
+    def _usable(self) -> None:
+        if self.stuck:
+            raise CudaError("a launch of this CUDA session overran its deadline and may still be running; "
+                            "the session cannot launch again (end the process to free the GPU)")
 
     def close(self) -> None:
         drv = getattr(self, "drv", None)
         if drv is None:
+            return
+        if getattr(self, "stuck", False):
+            # a kernel may still be running: synchronising or freeing would wait for it forever.
+            # Leave everything to the process's exit, which ends the context and the kernel.
+            self.drv = None  # type: ignore[assignment]
             return
         try:
             if self._stream is not None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cuda_launch import CudaError, LaunchConfig
+from .cuda_launch import CudaError, CudaLoadError, LaunchConfig
 
 
 @dataclass(frozen=True)
@@ -32,19 +32,24 @@ class Driver(Protocol):
     are opaque. Every method raises CudaError on failure."""
 
     def open(self, index: int) -> DeviceInfo: ...
+    def driver_version(self) -> int: ...  # cuDriverGetVersion: 1000 * major + 10 * minor (13000)
     def activate(self) -> None: ...  # make the device's context current on the calling thread
+    # raises CudaLoadError (with the CUresult) when the driver refuses the image
     def load_function(self, image: bytes, name: str, shared: int) -> Any: ...
     def alloc(self, nbytes: int) -> int: ...
     def free(self, ptr: int) -> None: ...
     def host_alloc(self, nbytes: int, mapped: bool) -> tuple[int, int]: ...  # (host address, device ptr or 0)
     def host_free(self, addr: int) -> None: ...
     def stream(self) -> Any: ...
+    # without a stream, htod and memset are complete when they return (ordered before any later
+    # launch on any stream); dtoh returns with the data, and does not wait for other streams
     def htod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None: ...
     def dtoh(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None: ...
     def dtod(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
     def memset(self, dst: int, nbytes: int) -> None: ...
     def launch(self, fn: Any, grid: int, block: int, shared: int, stream: Any, params: int) -> None: ...
     def sync(self, stream: Any) -> None: ...
+    def query(self, stream: Any) -> bool: ...  # cuStreamQuery: True when all its work has finished
     def begin_capture(self, stream: Any) -> None: ...
     def end_capture(self, stream: Any) -> Any: ...
     def graph_launch(self, graph: Any, stream: Any) -> None: ...
@@ -122,13 +127,20 @@ class CudaDriver:
         self._ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
         return DeviceInfo(index, name, 10 * major + minor, sms)
 
+    def driver_version(self) -> int:
+        return int(self._ok("cuDriverGetVersion", self.cu.cuDriverGetVersion()))
+
     def activate(self) -> None:
         self._ok("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self._ctx))
 
     def load_function(self, image: bytes, name: str, shared: int) -> Any:
         cu = self.cu
         buf = np.frombuffer(image, dtype=np.uint8)
-        mod = self._ok("cuModuleLoadData", cu.cuModuleLoadData(buf.ctypes.data))
+        res = cu.cuModuleLoadData(buf.ctypes.data)
+        if int(res[0]) != 0:  # the caller may try another toolkit's cubin: say which error
+            name_ = self._name(res[0])
+            raise CudaLoadError(f"cuModuleLoadData failed: {name_}", code=int(res[0]), name=name_.split(" ")[0])
+        mod = res[1]
         self._modules.append(mod)
         fn = self._ok("cuModuleGetFunction", cu.cuModuleGetFunction(mod, name.encode()))
         if shared > LaunchConfig.DEFAULT_SHARED_LIMIT:
@@ -161,6 +173,7 @@ class CudaDriver:
     def htod(self, dst: int, src: int, nbytes: int, stream: Any = None) -> None:
         if stream is None:
             self._ok("cuMemcpyHtoD", self.cu.cuMemcpyHtoD(dst, src, nbytes))
+            self._settle("cuMemcpyHtoD")
         else:
             self._ok("cuMemcpyHtoDAsync", self.cu.cuMemcpyHtoDAsync(dst, src, nbytes, stream))
 
@@ -175,12 +188,28 @@ class CudaDriver:
 
     def memset(self, dst: int, nbytes: int) -> None:
         self._ok("cuMemsetD8", self.cu.cuMemsetD8(dst, 0, nbytes))
+        self._settle("cuMemsetD8")
+
+    def _settle(self, what: str) -> None:
+        # cuMemsetD8 may return before the memset ran, and cuMemcpyHtoD from pageable memory
+        # before its DMA landed; both run on the legacy default stream, which a launch on the
+        # executor's non-blocking stream does not wait for. Waiting here orders them before any
+        # later launch (they are only used when no kernel is in flight: setup, a trace's region).
+        self._ok(f"cuCtxSynchronize (after {what})", self.cu.cuCtxSynchronize())
 
     def launch(self, fn: Any, grid: int, block: int, shared: int, stream: Any, params: int) -> None:
         self._ok("cuLaunchKernel", self.cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0))
 
     def sync(self, stream: Any) -> None:
         self._ok("cuStreamSynchronize (the megakernel failed)", self.cu.cuStreamSynchronize(stream))
+
+    def query(self, stream: Any) -> bool:
+        res = self.cu.cuStreamQuery(stream)
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) == int(self.cu.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        self._ok("cuStreamQuery (the megakernel failed)", res)
+        return True
 
     def begin_capture(self, stream: Any) -> None:
         cu = self.cu

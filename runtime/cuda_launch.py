@@ -2,8 +2,10 @@
 
 These are pure functions over the bundle's manifest and files, unit-tested on CPU-only machines:
 `select_target` (which of the bundle's cubins runs on this GPU), `LaunchConfig.from_manifest`
-(grid, block, shared memory, scratch buffers), `pack_params` (the kernel parameter array, checked
-against the manifest), `read_safetensors` (raw arena bytes without torch) and `arena_bytes`.
+(grid, block, shared memory, scratch buffers, per kernel and build), `loadable_cubins` (which
+toolkit's cubins this driver may load, in order), `pack_params` (the kernel parameter array,
+checked against the manifest), `read_safetensors` (raw arena bytes without torch) and
+`arena_bytes`.
 `CudaError`, the executor's one error type, lives here because this is the module the driver
 binding (cuda_driver.py) and the backend (cuda.py) both build on.
 """
@@ -25,6 +27,46 @@ from zlc.errors import ZlcError
 
 class CudaError(ZlcError):
     """The CUDA executor cannot run here (no driver / GPU / cubin) or a driver call failed."""
+
+
+class CudaLoadError(CudaError):
+    """cuModuleLoadData refused a cubin; `name` is the CUresult's name (CUDA_ERROR_...)."""
+
+    def __init__(self, message: str, *, code: int, name: str):
+        super().__init__(message)
+        self.code, self.name = code, name
+
+
+class CudaTimeout(CudaError):
+    """A launch did not finish before its host-side deadline (it may still be running)."""
+
+
+# cuModuleLoadData's answers that mean "not this cubin, maybe another": a toolchain newer than
+# the driver (222), no SASS for this GPU (209), an ELF it cannot read (200). Codes from cuda.h.
+LOAD_FALLBACK_ERRORS = {222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
+                        200: "CUDA_ERROR_INVALID_IMAGE"}
+KERNELS = ("decode", "prefill")
+BUILDS = ("release", "debug", "trace")
+
+
+def cuda_version(v: int) -> str:
+    """cuDriverGetVersion's encoding as a release: 13000 -> "13.0", 12090 -> "12.9"."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def loadable_cubins(cubins: Sequence[Mapping[str, Any]], driver: int, what: str) -> list[Mapping[str, Any]]:
+    """The entries of a kernel's `cubins` (preferred first) whose `min_driver` this driver
+    (cuDriverGetVersion) meets, in the bundle's order; an entry without one (older bundles) is
+    kept. None left: one CudaError naming the driver's version and the oldest the cubins need."""
+    ok = [c for c in cubins if int(c.get("min_driver") or 0) <= driver]
+    if ok:
+        return ok
+    need = min(cubins, key=lambda c: int(c["min_driver"]))
+    have = ", ".join(f"CUDA {cuda_version(int(c['min_driver']))} (toolkit {c.get('toolkit', '?')} cubin)"
+                     for c in cubins)
+    raise CudaError(f"the NVIDIA driver supports CUDA {cuda_version(driver)} but {what} needs a driver for "
+                    f"CUDA {cuda_version(int(need['min_driver']))} or newer (its cubins: {have}); upgrade the "
+                    "driver (CUDA 12.x needs >= 525, 13.x >= 580)")
 
 
 # ---- target selection -----------------------------------------------------------------------------
@@ -125,6 +167,10 @@ class LaunchConfig:
     params: tuple[dict[str, Any], ...]
     global_scratch: Scratch
     profile_scratch: Scratch
+    kernel: str = "decode"
+    build: str = "release"
+    #: every toolkit's cubin of this kernel and build, preferred first (`cubin` is the first)
+    cubins: tuple[dict[str, Any], ...] = ()
 
     #: dynamic shared memory above this needs cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
     DEFAULT_SHARED_LIMIT = 48 * 1024
@@ -135,19 +181,26 @@ class LaunchConfig:
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any], target: str, *, sms: int | None = None,
-                      kernel: str = "decode") -> LaunchConfig:
+                      kernel: str = "decode", build: str = "release") -> LaunchConfig:
         """The launch of `targets.<target>`'s decode kernel (its own fields) or prefill kernel (its
-        `prefill` entry); `sms` (this GPU's SM count) replaces the target's grid: the kernel
-        completes for any grid >= 1, and one program per SM is what it is tuned for."""
+        `prefill` entry), in its `release` build or the `debug` / `trace` one (their entries
+        inside); `sms` (this GPU's SM count) replaces the target's grid: the kernel completes for
+        any grid >= 1, and one program per SM is what it is tuned for."""
         top = manifest.get("targets", {}).get(target)
         if top is None or not top.get("cubin"):
             raise CudaError(f"the bundle has no GPU target '{target}' "
                             f"(GPU targets: {', '.join(gpu_targets(manifest)) or 'none'})")
-        if kernel not in ("decode", "prefill"):
-            raise ValueError(f"kernel must be decode or prefill, not {kernel!r}")
-        t = dict(top, **top.get("prefill", {})) if kernel == "prefill" else top
+        if kernel not in KERNELS or build not in BUILDS:
+            raise ValueError(f"kernel must be decode or prefill and build one of {BUILDS}, not {kernel!r}/{build!r}")
         if kernel == "prefill" and "prefill" not in top:
             raise CudaError(f"target '{target}' has no prefill kernel (a bundle of format 1? recompile it)")
+        own = top if kernel == "decode" else top["prefill"]
+        if build != "release" and not isinstance(own.get(build), Mapping):
+            raise CudaError(f"target '{target}' has no {build} build of its {kernel} kernel "
+                            "(compile with --debug-waits)")
+        entry = own if build == "release" else own[build]
+        t = {k: v for k, v in top.items() if k not in BUILDS[1:] and k != "prefill"}
+        t.update({k: v for k, v in entry.items() if k not in BUILDS[1:]})
         md = t["metadata"]
         if md.get("launch_cooperative_grid") or md.get("launch_pdl"):
             raise CudaError(f"target '{target}': the cubin asks for a cooperative/PDL launch, which this "
@@ -158,13 +211,21 @@ class LaunchConfig:
         grid = int(sms) if sms else int(t["grid"])
         if grid < 1:
             raise CudaError(f"target '{target}': grid must be >= 1, got {grid}")
+        cubins = tuple(dict(c) for c in t.get("cubins") or [{"cubin": t["cubin"]}])  # older bundles: one
         return cls(target=target, arch=str(t["arch"]), cubin=str(t["cubin"]), function=str(md["name"]),
                    grid=grid, block=32 * int(md["num_warps"]), shared=int(md.get("shared", 0) or 0),
                    num_ctas=num_ctas, params=tuple(dict(p) for p in t["params"]),
                    global_scratch=Scratch(int(md.get("global_scratch_size", 0) or 0),
                                           int(md.get("global_scratch_align", 1) or 1)),
                    profile_scratch=Scratch(int(md.get("profile_scratch_size", 0) or 0),
-                                           int(md.get("profile_scratch_align", 1) or 1)))
+                                           int(md.get("profile_scratch_align", 1) or 1)),
+                   kernel=kernel, build=build, cubins=cubins)
+
+    def has_build(self, manifest: Mapping[str, Any], build: str) -> bool:
+        """Whether this config's target and kernel have a `build` entry in `manifest`."""
+        top = manifest["targets"][self.target]
+        own = top if self.kernel == "decode" else top.get("prefill", {})
+        return build == "release" or isinstance(own.get(build), Mapping)
 
 
 class PackedParams:

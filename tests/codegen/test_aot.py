@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from zlc.codegen.aot import AotError, AotResult, check_ptx_sync, compile_kernel, resource_usage
+from zlc.codegen.aot import (
+    AotError,
+    AotResult,
+    assemble,
+    check_ptx_sync,
+    compile_kernel,
+    cubin_elf_abi,
+    min_driver_version,
+    ptx_isa_version,
+    resource_usage,
+)
 from zlc.errors import ZlcError
 from zlc.targets import TARGETS
 
@@ -171,3 +181,84 @@ def test_signature_must_match_arguments(tmp_path: Path) -> None:
 def test_cpu_target_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AotError, match="'cpu' runs on Triton's CPU interpreter"):
         compile_kernel(tmp_path / "kernel.py", "mk", SIG, {"DEBUG": False}, [TARGETS["a10"], TARGETS["cpu"]])
+
+
+# ---- two toolkits: Triton's ptxas and the wheel's older one ---------------------------------------
+
+
+def test_each_toolkits_cubin_is_really_built(built: tuple[list[AotResult], list[str]]) -> None:
+    a10, h100, rtx = built[0]
+    for r in (a10, rtx):  # sm_86: Triton already assembles with the CUDA 12.9 ptxas; nothing to add
+        assert [(c.ptxas, c.toolkit, c.ptx_isa, c.min_driver, c.elf_abi) for c in r.cubins] == [
+            ("ptxas", "12.9", "8.8", 12000, 7)]
+        assert r.cubins[0].cubin == r.cubin and r.fallback_skipped is None
+    new, old = h100.cubins
+    assert new.cubin == h100.cubin and (new.ptxas, new.toolkit[:3]) == ("ptxas-blackwell", "13.")
+    assert new.ptx_isa == ptx_isa_version(h100.ptx) and new.ptx_isa.startswith("9.")
+    assert (new.min_driver, new.elf_abi) == (13000, 8)
+    assert (old.ptxas, old.toolkit, old.ptx_isa, old.min_driver, old.elf_abi) == ("ptxas", "12.9", "8.8", 12000, 7)
+    assert old.cubin != new.cubin and cubin_elf_abi(old.cubin) == 7
+    assert b"release 13." in new.cubin  # the CUDA 13 ELF names its toolkit in a note; the CUDA 12 one has none
+    for c in (new, old):  # cuobjdump reads both: the same function, registers, no spills
+        res = resource_usage(c.cubin, function="mk")
+        assert res.registers == c.resources.registers > 0 and c.resources.spill_stores == 0
+        assert c.seconds >= 0
+
+
+DISCARD = """\
+.version {version}
+.target sm_80
+.address_size 64
+.visible .entry f(.param .u64 p)
+{{
+  .reg .b64 %rd<2>;
+  ld.param.u64 %rd1, [p];
+  discard.global.L2 [%rd1], 128;
+  ret;
+}}
+"""
+
+
+def test_assemble_lowers_the_isa_version_only_as_far_as_ptxas_needs(
+        built: tuple[list[AotResult], list[str]]) -> None:
+    from zlc.codegen.aot import _nvidia_tool  # the wheel's tools
+
+    old, new = _nvidia_tool("ptxas"), _nvidia_tool("ptxas-blackwell")
+    h100 = built[0][1]
+    assert assemble(h100.ptx, new, function="mk").ptx_isa == ptx_isa_version(h100.ptx)  # never lowered needlessly
+    c = assemble(DISCARD.format(version="9.4"), old)  # newer than ptxas 12.9 knows: lowered to its 8.8
+    assert (c.ptx_isa, c.toolkit, c.elf_abi) == ("8.8", "12.9", 7) and c.cubin[:4] == b"\x7fELF"
+    # why lowering is safe: ptxas checks each instruction against the header's version (discard: 7.4+)
+    with pytest.raises(AotError, match=r"ptxas 12\.9 cannot assemble the PTX \(ISA 7\.0, sm_80\).*"
+                                       r"'discard' requires PTX ISA \.version 7\.4 or later"):
+        assemble(DISCARD.format(version="7.0"), old)
+
+
+def test_min_driver_version() -> None:
+    assert min_driver_version("13.4") == 13000 and min_driver_version("13.0") == 13000
+    assert min_driver_version("12.9") == 12000 and min_driver_version("11.8") == 11000
+    assert min_driver_version("10.2") == 10020  # before minor version compatibility: its own driver
+
+
+TIMED = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def timed(OUT, TRACE: tl.constexpr = 0):
+    t = tl.program_id(0).to(tl.int64)
+    if TRACE == 1:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(OUT + tl.program_id(0), t)
+'''
+
+
+def test_constexpr_defaults_and_inline_timers(tmp_path: Path) -> None:
+    path = tmp_path / "timed.py"
+    path.write_text(TIMED)
+    plain, = compile_kernel(path, "timed", {"OUT": "*i64"}, {}, [TARGETS["h100"]])  # TRACE: its default
+    assert "%globaltimer" not in plain.ptx
+    traced, = compile_kernel(path, "timed", {"OUT": "*i64"}, {"TRACE": 1}, [TARGETS["h100"]])
+    assert "mov.u64 %rd" in traced.ptx and "%globaltimer" in traced.ptx
+    assert [c.toolkit for c in traced.cubins][1:] == ["12.9"]  # the older ptxas takes the timer too

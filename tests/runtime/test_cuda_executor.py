@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from zlc.errors import ZlcError
 from zlc.runtime import cuda as zc
 from zlc.runtime import cuda_driver as zd
 from zlc.runtime import cuda_launch as zl
+from zlc.runtime import trace as tr
 from zlc.runtime.megakernel import MegakernelSession
 from zlc.targets import get_target
 
@@ -200,8 +203,13 @@ class FakeDriver:
     each operation at once, and the 'cubin' is a toy kernel with the megakernel's control-block
     contract: OUT_TOKEN = f(tokens, past), logits rows written into A, auto-advance in decode."""
 
-    def __init__(self, cc: int = 90, sms: int = 132, name: str = "Fake H100") -> None:
-        self.cc, self.sms, self.name = cc, sms, name
+    def __init__(self, cc: int = 90, sms: int = 132, name: str = "Fake H100", driver: int = 13000) -> None:
+        self.cc, self.sms, self.name, self.driver = cc, sms, name, driver
+        self.refuse: dict[bytes, int] = {}  # image -> the CUresult cuModuleLoadData answers
+        self.stuck_images: set[bytes] = set()  # a launch of these never finishes (cuStreamQuery: not ready)
+        self.on_launch: Any = None  # (ptrs, image) -> None: what the "kernel" also does
+        self.queries = 0
+        self._pending: bytes | None = None
         self.buffers: dict[int, Any] = {}
         self.host: dict[int, Any] = {}
         self.launches: list[dict[str, Any]] = []
@@ -223,10 +231,17 @@ class FakeDriver:
             raise zl.CudaError(f"CUDA device {index} does not exist (this machine has 1)")
         return zd.DeviceInfo(index, self.name, self.cc, self.sms)
 
+    def driver_version(self) -> int:
+        return self.driver
+
     def activate(self) -> None:
         self.activations += 1
 
     def load_function(self, image: bytes, name: str, shared: int) -> Any:
+        if image in self.refuse:
+            code = self.refuse[image]
+            err = zl.LOAD_FALLBACK_ERRORS.get(code, "CUDA_ERROR_OUT_OF_MEMORY")
+            raise zl.CudaLoadError(f"cuModuleLoadData failed: {err} ({code})", code=code, name=err)
         self.image, self.fn_name, self.fn_shared = image, name, shared
         self.images.append(image)
         return ("fn", len(self.images) - 1)
@@ -272,9 +287,13 @@ class FakeDriver:
     def launch(self, fn: Any, grid: int, block: int, shared: int, stream: Any, params: int) -> None:
         arr = (ctypes.c_void_p * len(self.names)).from_address(params)
         ptrs = {n: ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i, n in enumerate(self.names)}
-        self.launches.append({"grid": grid, "block": block, "shared": shared, "ptrs": ptrs,
-                              "image": self.images[fn[1]]})
+        image = self.images[fn[1]]
+        self.launches.append({"grid": grid, "block": block, "shared": shared, "ptrs": ptrs, "image": image})
         self._op(self._kernel, ptrs)
+        if self.on_launch is not None:
+            self.on_launch(ptrs, image)
+        if image in self.stuck_images:
+            self._pending = image
 
     def _kernel(self, ptrs: dict[str, int]) -> None:
         c = np.ctypeslib.as_array((ctypes.c_int32 * (fmt.CTRL_TOKENS + 1)).from_address(ptrs["CTRL"]))
@@ -296,7 +315,13 @@ class FakeDriver:
             c[fmt.CTRL_PAST] = past + 1
 
     def sync(self, stream: Any) -> None:
+        if self._pending is not None:
+            raise AssertionError("cuStreamSynchronize on a launch that never finishes: the process would hang")
         self.syncs += 1
+
+    def query(self, stream: Any) -> bool:
+        self.queries += 1
+        return self._pending is None
 
     def begin_capture(self, stream: Any) -> None:
         self.capturing = []
@@ -473,6 +498,307 @@ def test_backend_errors_free_what_they_allocated(bundle: Path, manifest: dict[st
         zc.CudaBackend(bundle, manifest, driver=FakeDriver(), ctrl="zero-copy")
 
 
+# ---- which cubin: toolkits, driver versions, refusals ------------------------------------------------
+
+CUBINS = [{"cubin": "kernels/h200.cubin", "toolkit": "13.4", "ptx_isa": "9.4", "min_driver": 13000},
+          {"cubin": "kernels/h200.cu129.cubin", "toolkit": "12.9", "ptx_isa": "8.8", "min_driver": 12000}]
+
+
+def test_loadable_cubins_by_driver_version() -> None:
+    assert zl.cuda_version(13000) == "13.0" and zl.cuda_version(12090) == "12.9"
+    assert zl.loadable_cubins(CUBINS, 13000, "k") == CUBINS  # the bundle's order: Triton's own first
+    assert zl.loadable_cubins(CUBINS, 13040, "k") == CUBINS
+    assert zl.loadable_cubins(CUBINS, 12020, "k") == CUBINS[1:]  # a CUDA 12 driver: the 12.9 cubin only
+    assert zl.loadable_cubins([{"cubin": "old.cubin"}], 11000, "k") == [{"cubin": "old.cubin"}]  # no record
+    with pytest.raises(zl.CudaError) as e:
+        zl.loadable_cubins(CUBINS, 11080, "target h200's decode kernel (release build)")
+    msg = str(e.value)
+    assert msg.startswith("the NVIDIA driver supports CUDA 11.8 but target h200's decode kernel (release build) "
+                          "needs a driver for CUDA 12.0 or newer")
+    assert "CUDA 13.0 (toolkit 13.4 cubin)" in msg and "\n" not in msg
+
+
+def test_manifest_lists_each_toolkits_cubin(bundle: Path, manifest: dict[str, Any]) -> None:
+    from zlc.codegen.aot import cubin_elf_abi
+
+    for target in TARGETS:
+        t = manifest["targets"][target]
+        for kernel in (t, t["prefill"]):
+            cubins = kernel["cubins"]
+            assert cubins[0]["cubin"] == kernel["cubin"]
+            for c in cubins:  # each really is the file it says, from the toolkit it says
+                assert cubin_elf_abi((bundle / c["cubin"]).read_bytes()) == c["elf_abi"]
+                assert c["min_driver"] == 1000 * int(c["toolkit"].split(".")[0])
+            if t["arch"] == "sm_90":  # Triton's CUDA 13 ptxas, then the wheel's CUDA 12.9 one
+                assert [c["ptxas"] for c in cubins] == ["ptxas-blackwell", "ptxas"]
+                assert cubins[0]["toolkit"].startswith("13.") and cubins[1]["toolkit"] == "12.9"
+                assert [c["elf_abi"] for c in cubins] == [8, 7] and cubins[1]["ptx_isa"] == "8.8"
+                assert cubins[1]["cubin"].endswith(".cu129.cubin")
+                assert cubins[1]["resources"]["spill_stores"] == 0
+            else:  # sm_80 / sm_86: Triton already uses the CUDA 12.9 ptxas
+                assert [(c["ptxas"], c["toolkit"]) for c in cubins] == [("ptxas", "12.9")]
+        assert "debug" not in t and "trace" not in t["prefill"]  # diagnostic builds: --debug-waits only
+
+
+def _images(bundle: Path, manifest: dict[str, Any], target: str, kernel: str = "decode",
+            build: str = "release") -> list[bytes]:
+    t = manifest["targets"][target]
+    k = t if kernel == "decode" else t["prefill"]
+    k = k if build == "release" else k[build]
+    return [(bundle / c["cubin"]).read_bytes() for c in k["cubins"]]
+
+
+def test_backend_falls_back_to_the_older_toolkit(bundle: Path, manifest: dict[str, Any],
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    new_dec, old_dec = _images(bundle, manifest, "h100")
+    new_pre, old_pre = _images(bundle, manifest, "h100", "prefill")
+    # a CUDA 13.0 driver that refuses the CUDA 13.4 decode cubin: the 12.9 one from the same PTX
+    drv = FakeDriver(cc=90, driver=13000)
+    drv.refuse[new_dec] = 222
+    drv.layout, drv.vocab = manifest["tilings"]["gpu"]["layout"], manifest["model"]["vocab"]
+    drv.names = [p["name"] for p in manifest["targets"]["h100"]["params"]]
+    with caplog.at_level("INFO", logger="zlc.runtime.cuda"):
+        be = zc.CudaBackend(bundle, manifest, driver=drv)
+    try:
+        assert drv.images == [old_dec, new_pre]
+        dec = be.loaded["decode/release"]
+        assert dec["toolkit"] == "12.9" and dec["ptx_isa"] == "8.8"
+        first = manifest["targets"]["h100"]["cubins"][0]
+        assert dec["refused"] == [f"{first['cubin']} (toolkit {first['toolkit']}, PTX ISA {first['ptx_isa']}): "
+                                  "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"]
+        assert be.loaded["prefill/release"]["toolkit"].startswith("13.")
+        logs = caplog.text
+        assert "refused" in logs and "loaded kernels/h100.cu129.cubin (toolkit 12.9, PTX ISA 8.8)" in logs
+        be.launch(fmt.MODE_DECODE, [1], 0, False, False)
+        assert drv.launches[-1]["image"] == old_dec
+    finally:
+        be.close()
+    # a CUDA 12.8 driver never tries a CUDA 13 cubin
+    drv = FakeDriver(cc=90, driver=12080)
+    zc.CudaBackend(bundle, manifest, driver=drv).close()
+    assert drv.images == [old_dec, old_pre]
+    # every cubin refused: one error naming each; an error that is no refusal is not retried
+    drv = FakeDriver(cc=90, driver=13000)
+    drv.refuse = {new_dec: 209, old_dec: 200}
+    with pytest.raises(zl.CudaError, match=r"loads no cubin of target h100's decode kernel \(release build\): "
+                       r".*CUDA_ERROR_NO_BINARY_FOR_GPU; .*cu129.cubin .*CUDA_ERROR_INVALID_IMAGE"):
+        zc.CudaBackend(bundle, manifest, driver=drv)
+    assert drv.closed and not drv.buffers
+    drv = FakeDriver(cc=90, driver=13000)
+    drv.refuse = {new_dec: 2}
+    with pytest.raises(zl.CudaLoadError, match="OUT_OF_MEMORY"):
+        zc.CudaBackend(bundle, manifest, driver=drv)
+
+
+def test_driver_too_old_for_every_cubin_is_one_clear_error(bundle: Path, manifest: dict[str, Any]) -> None:
+    drv = FakeDriver(cc=90, driver=11080)
+    with pytest.raises(zl.CudaError) as e:
+        zc.CudaBackend(bundle, manifest, driver=drv)
+    msg = str(e.value)
+    assert "driver supports CUDA 11.8" in msg and "needs a driver for CUDA 12.0 or newer" in msg
+    assert "\n" not in msg and not drv.images and drv.closed and not drv.buffers
+
+
+# ---- the debug build's first launch, the deadline, the trace build ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def diag(tmp_path_factory: pytest.TempPathFactory, tiny_onnx: Path) -> tuple[Path, dict[str, Any]]:
+    """The tiny model for h100 with the diagnostic builds (--debug-waits): release, debug, trace."""
+    out = tmp_path_factory.mktemp("cuda-diag") / "tiny.zlc"
+    zlc.compile(tiny_onnx, targets=["h100"], out=out, max_seq=64, debug_waits=True, verify=False)
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def test_diagnostic_builds_in_the_manifest(diag: tuple[Path, dict[str, Any]]) -> None:
+    bundle, man = diag
+    t = man["targets"]["h100"]
+    assert man["kernel"]["debug_waits"] is True
+    for kernel, stem in ((t, "kernels/h100"), (t["prefill"], "kernels/h100.prefill")):
+        release = (bundle / kernel["ptx"]).read_text()
+        assert kernel["cubin"] == f"{stem}.cubin"  # the target's own cubin is the release build
+        assert "%globaltimer" not in release and "%smid" not in release
+        for build in ("debug", "trace"):
+            b = kernel[build]
+            assert b["cubin"] == f"{stem}.{build}.cubin" and b["ptx"] == f"{stem}.{build}.ptx"
+            assert [c["toolkit"] for c in b["cubins"]][1:] == ["12.9"]
+            assert all(c["resources"]["spill_stores"] == 0 for c in b["cubins"])
+            assert all((bundle / c["cubin"]).is_file() for c in b["cubins"])
+        trace = (bundle / kernel["trace"]["ptx"]).read_text()
+        assert all(r in trace for r in ("%globaltimer", "%smid", "%clock64"))
+        debug = (bundle / kernel["debug"]["ptx"]).read_text()
+        assert "atom.global.relaxed.gpu.cas" in debug or ".cas.b32" in debug  # claims the error words
+
+
+def _diag_backend(diag: tuple[Path, dict[str, Any]], **kw: Any) -> tuple[zc.CudaBackend, FakeDriver]:
+    bundle, man = diag
+    drv = FakeDriver(cc=90)
+    drv.layout, drv.vocab = man["tilings"]["gpu"]["layout"], man["model"]["vocab"]
+    drv.names = [p["name"] for p in man["targets"]["h100"]["params"]]
+    return zc.CudaBackend(bundle, man, driver=drv, **kw), drv
+
+
+def test_first_launch_of_each_kernel_runs_the_debug_build(diag: tuple[Path, dict[str, Any]]) -> None:
+    bundle, man = diag
+    be, drv = _diag_backend(diag)
+    img = {(k, b): _images(bundle, man, "h100", k, b)[0] for k in ("decode", "prefill")
+           for b in ("release", "debug")}
+    try:
+        assert drv.images == [img["decode", "release"], img["prefill", "release"]]  # debug: when first needed
+        sess = MegakernelSession(be, chunk=be.chunk, max_seq=64, vocab=man["model"]["vocab"])
+        prompt = [3, 1, 4, 1, 5]
+        assert sess.generate(prompt, 4) == toy_generate(prompt, 4, man["model"]["vocab"])
+        launched = [L["image"] for L in drv.launches]
+        assert launched == [img["prefill", "debug"], img["decode", "debug"], *[img["decode", "release"]] * 2]
+        assert be.checked == {"prefill", "decode"} and be.loaded["decode/debug"]["toolkit"].startswith("13.")
+        assert drv.syncs == 2 and drv.queries >= 2  # the debug launches polled the stream, the rest synced
+    finally:
+        be.close()
+    # decode_chain on a kernel not yet checked: the first step runs alone, checked, then the chain
+    be, drv = _diag_backend(diag)
+    try:
+        tok, _ = be.launch(fmt.MODE_PREFILL, [7, 8], 0, False, False)
+        assert be.decode_chain(tok, 2, 3) == toy_generate([7, 8], 4, man["model"]["vocab"])[1:]
+        assert [L["image"] for L in drv.launches][1:] == [img["decode", "debug"], *[img["decode", "release"]] * 3]
+    finally:
+        be.close()
+    # debug=True: every launch runs the debug build
+    be, drv = _diag_backend(diag, debug=True)
+    try:
+        for _ in range(2):
+            be.launch(fmt.MODE_DECODE, [1], 0, False, False)
+        assert [L["image"] for L in drv.launches] == [img["decode", "debug"]] * 2
+    finally:
+        be.close()
+
+
+def _lost_signal(be: zc.CudaBackend, task: int, mode: int = fmt.MODE_DECODE) -> Any:
+    """A launch in which one producer of task `task`'s first wait never signalled: the counters
+    as they stand once tasks 0..task were claimed, and the CTRL words the debug build writes when
+    that wait times out (the template's layout)."""
+    table = tr.table_tasks(be.tasks, mode)
+    ev, target = table[task].waits[0]
+    lost = tr.producers(table)[ev][-1]
+    counts: dict[int, int] = {}
+    for t in table[:task]:
+        if t.index != lost and t.signal >= 0:
+            counts[t.signal] = counts.get(t.signal, 0) + 1
+    for g, parent, size in {(t.signal, t.parent, t.signal_target) for t in table[:task] if t.parent >= 0}:
+        if counts.get(g, 0) == size:
+            counts[parent] = counts.get(parent, 0) + 1
+    seen = counts.get(ev, 0)
+    base = int(be.tasks[2 * mode + 1])
+    row = be.pointers["TASKS"] + 4 * (fmt.HEADER_WORDS + base + fmt.TASK_WORDS * task)
+
+    def write(ptrs: dict[str, int], image: bytes) -> None:
+        c = np.ctypeslib.as_array((ctypes.c_int32 * fmt.CTRL_TOKENS).from_address(ptrs["CTRL"]))
+        c[fmt.CTRL_ERROR] |= fmt.ERROR_WAIT_TIMEOUT
+        c[fmt.CTRL_ERR_EVENT], c[fmt.CTRL_ERR_TARGET], c[fmt.CTRL_ERR_SEEN] = ev + 1, target, seen
+        c[fmt.CTRL_ERR_ROW] = np.uint32(row & 0xFFFFFFFF).view(np.int32)
+        n = int(be.tasks[4])
+        cnt = np.ctypeslib.as_array((ctypes.c_int32 * (fmt.CNT_EVENTS + n)).from_address(ptrs["CNT"]))
+        cnt[fmt.CNT_QUEUE], cnt[fmt.CNT_EXIT] = task + 1, 0
+        for e, v in counts.items():
+            cnt[fmt.CNT_EVENTS + e] = v
+
+    blocked = [t for t in table[:task + 1] if any(counts.get(e, 0) != tg for e, tg in t.waits)]
+    return write, table[task], ev, target, seen, blocked, counts
+
+
+def test_a_stuck_first_launch_is_reported_not_waited_for(diag: tuple[Path, dict[str, Any]]) -> None:
+    bundle, man = diag
+    be, drv = _diag_backend(diag, first_launch_deadline_s=0.2)
+    readable = json.loads((bundle / "tables" / "gpu.json").read_text())
+    labels, events = readable["tables"]["decode"], readable["events"]
+    write, task, ev, target, seen, blocked, counts = _lost_signal(be, 6)
+    drv.on_launch = write
+    drv.stuck_images.add(_images(bundle, man, "h100", "decode", "debug")[0])
+    t0 = time.monotonic()
+    with pytest.raises(zl.CudaTimeout) as e:
+        be.launch(fmt.MODE_DECODE, [1], 0, False, False)
+    assert time.monotonic() - t0 < 5
+    msg = str(e.value)
+    assert msg.startswith("the decode kernel (debug build) did not finish within 0.2 s: error flags 1; ")
+    assert (f"first timed-out wait: task 6 ({task.kind} {labels[6]['label']}) waited for event {ev} "
+            f"({events[ev]}) to reach {target} and saw {seen}") in msg
+    assert f"7 of {len(labels)} tasks claimed, 0 of 132 programs exited" in msg
+    first = blocked[0]
+    e0, t0_ = next((e, tg) for e, tg in first.waits if counts.get(e, 0) != tg)
+    assert (f"task {first.index} ({first.kind} {labels[first.index]['label']}) waits for event {e0} "
+            f"({events[e0]}) at {counts.get(e0, 0)} of {t0_}") in msg
+    assert be.stuck and drv.syncs == 0
+    with pytest.raises(zl.CudaError, match="overran its deadline"):
+        be.launch(fmt.MODE_DECODE, [1], 0, False, False)
+    be.close()  # no synchronize, no free: the kernel may still run (the process's exit ends it)
+    assert drv.syncs == 0 and drv.buffers and not drv.closed
+
+
+def test_a_timed_out_wait_names_its_task_and_event(diag: tuple[Path, dict[str, Any]]) -> None:
+    bundle, man = diag
+    for ctrl in ("mapped", "device"):
+        be, drv = _diag_backend(diag, ctrl=ctrl)
+        write, task, ev, target, seen, _, _ = _lost_signal(be, 3, fmt.MODE_PREFILL)
+        drv.on_launch = write
+        labels = json.loads((bundle / "tables" / "gpu.json").read_text())
+        with pytest.raises(zl.CudaError, match=r"error flags 1 \(a wait timed out\): task 3 "
+                           rf"\({task.kind} {re.escape(labels['tables']['prefill'][3]['label'])}\) waited for "
+                           rf"event {ev} \(.*\) to reach {target} and saw {seen}$"):
+            be.launch(fmt.MODE_PREFILL, [1, 2], 0, False, False)
+        be.close()
+
+
+def test_trace_launch_reads_the_records(diag: tuple[Path, dict[str, Any]]) -> None:
+    bundle, man = diag
+    be, drv = _diag_backend(diag)
+    table = tr.table_tasks(be.tasks, fmt.MODE_DECODE)
+    grid = be.config.grid
+    trace_img = _images(bundle, man, "h100", "decode", "trace")[0]
+
+    def records(ptrs: dict[str, int], image: bytes) -> None:  # what the trace build writes
+        if image != trace_img:
+            return
+        words = tr.trace_words(be.tasks, grid)
+        cnt = np.ctypeslib.as_array((ctypes.c_int32 * (be.trace_offset + words)).from_address(ptrs["CNT"]))
+        rec = cnt[be.trace_offset:].reshape(-1, fmt.TRACE_WORDS)
+        n_max = max(int(be.tasks[0]), int(be.tasks[2]))
+        for t in table:
+            start = (1 << 40) + 1000 * t.index
+            rec[1 + t.index] = [t.index % 4, t.index % 4, start & 0xFFFFFFFF, start >> 32,
+                                (start + 700) & 0xFFFFFFFF, (start + 700) >> 32, 1400, 1]
+        for p in range(grid):
+            rec[1 + n_max + p] = [p, p, 0, 1 << 8, 0, (1 << 8) + 1, 2000, 1]
+
+    drv.on_launch = records
+    try:
+        tok, trace = be.trace_launch(fmt.MODE_DECODE, [5], 3)
+        assert tok == toy_next(5, 3, man["model"]["vocab"])
+        assert drv.launches[-1]["image"] == trace_img and drv.queries >= 1  # under the deadline
+        assert trace.recorded.all() and trace.start.tolist() == [(1 << 40) + 1000 * i for i in range(len(table))]
+        assert (trace.end - trace.start).tolist() == [700] * len(table) and trace.sm.tolist()[:5] == [0, 1, 2, 3, 0]
+        assert trace.prog_tasks.tolist() == [1] * grid
+        a = tr.analyze(table, trace)
+        assert sum(o.tasks for o in a.ops.values()) == len(table) and a.path[-1].task == len(table) - 1
+        # the records live after the counters: the counters are still zero
+        cnt = np.zeros(be.cnt_words, dtype=np.int32)
+        drv.dtoh(cnt.ctypes.data, be.pointers["CNT"], cnt.nbytes)
+        assert not cnt.any()
+    finally:
+        be.close()
+    be, _ = _fake_backend(*_plain(diag))
+    with pytest.raises(zl.CudaError, match="no trace build of the decode kernel"):
+        be.trace_launch(fmt.MODE_DECODE, [5], 3)
+    be.close()
+
+
+def _plain(diag: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The diagnostic bundle's manifest without its debug and trace builds."""
+    bundle, man = diag
+    m = json.loads(json.dumps(man))
+    for k in (m["targets"]["h100"], m["targets"]["h100"]["prefill"]):
+        k.pop("debug"), k.pop("trace")
+    return bundle, m
+
+
 # ---- no driver, no GPU ----------------------------------------------------------------------------
 
 
@@ -552,4 +878,44 @@ def test_real_gpu_matches_interpreter(tmp_path: Path, tiny_onnx: Path) -> None:
         assert isinstance(be, zc.CudaBackend)
         assert [tok, *be.decode_chain(tok, len(prompt), 11)] == want
         assert [tok, *be.decode_chain(tok, len(prompt), 11, graph=True)] == want
+    shutil.rmtree(out)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and driver (cuda-python); none here")
+def test_real_gpu_diagnostic_builds(tmp_path: Path, tiny_onnx: Path) -> None:
+    """On a GPU: the cubin the driver takes, each kernel's first launch in its debug build under
+    the deadline, then release launches; a traced step computes the same token and records every
+    task with real SM ids and timestamps."""
+    drv = zd.CudaDriver()
+    info = drv.open(0)
+    version = drv.driver_version()
+    drv.close()
+    name = zl.suggest_target(info.cc, info.sms, info.name)
+    if name is None:
+        pytest.skip(f"zlc has no compile target for sm_{info.cc} ({info.name})")
+    out = tmp_path / "tiny.zlc"
+    zlc.compile(tiny_onnx, targets=[name], out=out, max_seq=64, debug_waits=True, verify=False)
+    man = json.loads((out / "manifest.json").read_text())
+    prompt = [3, 14, 15, 92, 65, 35]
+    with zlc.load(out).session("cpu") as s:
+        want = s.generate(prompt, 6)
+    be = zc.CudaBackend(out, man, first_launch_deadline_s=20.0, deadline_s=20.0)
+    try:
+        assert {"decode/release", "prefill/release"} <= set(be.loaded)
+        assert all(int(c.get("min_driver") or 0) <= version for c in be.loaded.values())
+        sess = MegakernelSession(be, chunk=be.chunk, max_seq=64, vocab=man["model"]["vocab"])
+        assert sess.generate(prompt, 6) == want
+        assert be.checked == {"prefill", "decode"} and "decode/debug" in be.loaded
+        sess.reset()
+        tok, _ = sess.prefill(prompt)
+        plain, _ = be.launch(fmt.MODE_DECODE, [tok], len(prompt), False, False)
+        traced, trace = be.trace_launch(fmt.MODE_DECODE, [tok], len(prompt))
+        assert traced == plain == want[1]
+        table = tr.table_tasks(be.tasks, fmt.MODE_DECODE)
+        assert trace.recorded.all() and (trace.end >= trace.start).all()
+        assert trace.sm.min() >= 0 and trace.sm.max() < info.sms and trace.prog_tasks.sum() == len(table)
+        a = tr.analyze(table, trace)
+        assert a.span > 0 and a.unit == "ns" and a.path and sum(o.tasks for o in a.ops.values()) == len(table)
+    finally:
+        be.close()
     shutil.rmtree(out)
