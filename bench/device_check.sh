@@ -35,7 +35,8 @@
 #                 for today's Llama-1B shape; PyTorch eager about as long. torch.compile
 #                 (reduce-overhead, ~1-2 min a model) starts only with >= 150 s of BUDGET_S left,
 #                 largest model first; rows it cannot start are marked skipped.
-# Run it with the device tool's timeout_s >= 470 (the machine's start is extra).
+# Run it with the device tool's timeout_s >= 470 (the machine's start is extra). A rerun on a warm
+# machine can take a subset: MODELS="tiny smollm2-135m" TOTAL_S=240 bash bench/device_check.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -85,7 +86,9 @@ cat "$OUT/env.txt"
 LIMIT_S=$((TOTAL_S - SECONDS - 10))  # SECONDS: bash's clock since the script started
 BUDGET_S=${BUDGET_S:-$((LIMIT_S - 80))}  # after this the benchmark skips optional work and reports
 echo "benchmark: hard limit ${LIMIT_S} s (+10 s to SIGKILL), budget ${BUDGET_S} s, ${SECONDS} s used so far"
-timeout --kill-after=10 "$LIMIT_S" $PY bench/device_bench.py --out "$OUT" --budget-s "$BUDGET_S" 2>&1 \
+# shellcheck disable=SC2086  # MODELS is a list of names
+timeout --kill-after=10 "$LIMIT_S" $PY bench/device_bench.py --out "$OUT" --budget-s "$BUDGET_S" \
+    ${MODELS:+--models $MODELS} 2>&1 \
     | tee "$OUT/device_bench.log"
 rc=${PIPESTATUS[0]}
 echo "device_bench exit status $rc after ${SECONDS} s in all"
