@@ -85,7 +85,7 @@ def main() -> int:
     bundles = list(a.bundle) or [build(m, a.cache, targets, a.max_seq, a.rebuild) for m in a.models]
     if a.build_only:
         return 0
-    from zlc.codegen.kernel_model import bundle_report, render_markdown, render_text
+    from zlc.codegen.kernel_report import bundle_report, render_markdown, render_text
 
     reports = [bundle_report(b, targets=[t for t in targets if t in _gpu_targets(b)] or None, context=a.context)
                for b in bundles]

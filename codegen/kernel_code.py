@@ -4,7 +4,15 @@ ones from `W`), registers to the dependent global loads behind them, SASS loops 
 loops they implement; and path questions for one task (which arm of a branch it takes, what one
 loop iteration keeps in flight and waits for) answered through a `kernel_source.Evaluator`.
 
-`kernel_stats` turns this into the per-target facts; `kernel_model` asks it per task.
+Either kernel of a target: the decode kernel (`kernels/<t>.cubin`, the manifest's target
+fields) or the prefill kernel (`targets.<t>.prefill`; a v1 bundle has one kernel for both).
+`kernel_path` walks one task's way through it; `kernel_stats` turns both into the per-target
+facts.
+
+Why one module: `KernelCode`'s maps (instruction -> body and source, weight loads, address depths,
+loops, polls, the group arm) are built together from one disassembly, and every path question
+(`successors`, `executes`, `loop_path`) reads several of them; the in-order issue model
+(`simulate`) is the loop half of `kernel_path`'s and shares its rules.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from zlc.errors import ZlcError
 from .kernel_source import UNKNOWN, Evaluator, KernelSource
 from .sass import Cfg, Instr, Loop, Sass, disassemble, kernel_params, reg_merge, reg_read, reg_write
 
-__all__ = ["KernelCode", "KernelStatsError", "LoopFacts", "SyncCounts", "enclosing", "path_sync", "simulate"]
+__all__ = ["KernelCode", "KernelStatsError", "LoopFacts", "SyncCounts", "enclosing", "kernel_info", "path_sync",
+           "simulate"]
 
 
 class KernelStatsError(ZlcError):
@@ -147,14 +156,17 @@ class KernelCode:
     """One target's SASS with everything mapped: instruction -> op body / source, weight loads,
     address depths, loops; path questions answered for a task through an `Evaluator`."""
 
-    def __init__(self, bundle: Path, target: str, man: dict[str, Any], src: KernelSource | None = None):
-        info = man["targets"].get(target)
+    def __init__(self, bundle: Path, target: str, man: dict[str, Any], src: KernelSource | None = None,
+                 kernel: str = "decode"):
+        info = kernel_info(man, target, kernel)
         if info is None or "cubin" not in info:
-            raise KernelStatsError(f"{bundle}: target '{target}' has no cubin")
+            raise KernelStatsError(f"{bundle}: target '{target}' has no {kernel} cubin")
         kname = man["kernel"]["source"]
         if not (bundle / kname).is_file():
             raise KernelStatsError(f"{bundle}: {kname} is missing (SASS lines cannot be mapped to op bodies)")
-        self.info = info
+        if not (bundle / info["cubin"]).is_file():
+            raise KernelStatsError(f"{bundle}: {info['cubin']} is missing")
+        self.info, self.kernel, self.target = info, kernel, target
         # one KernelSource for the SASS map and the evaluators: AST nodes are compared by identity
         self.src = src or KernelSource((bundle / kname).read_text(), man["kernel"]["entry"])
         cubin = (bundle / info["cubin"]).read_bytes()
@@ -178,8 +190,9 @@ class KernelCode:
             self.cfg.block_of[n] in lp.blocks for n in body_n) >= 0.9 * len(body_n)), None)
         if self.task_loop is None:
             raise KernelStatsError(f"{target}: no SASS loop holds the op bodies (is this a zlc megakernel?)")
+        self.in_loop = {n for b in self.task_loop.blocks for n in range(self.cfg.blocks[b].start, self.cfg.blocks[b].end)}
         for n in body_n:
-            if self.cfg.block_of[n] not in self.task_loop.blocks:
+            if n not in self.in_loop:
                 self.where[n] = None
         blocks: dict[str, set[int]] = {}
         for n, w in enumerate(self.where):
@@ -187,8 +200,27 @@ class KernelCode:
                 blocks.setdefault(w, set()).add(self.cfg.block_of[n])
         self.body_blocks = blocks
         self.depth = self._depths()
+        self.inner_loops = [lp for lp in self.cfg.loops if lp is not self.task_loop and lp.blocks < self.task_loop.blocks]
+        self.outer_of: dict[int, Loop] = {}  # block -> the outermost inner loop holding it
+        for lp in sorted(self.inner_loops, key=lambda lp: len(lp.blocks)):
+            for b in lp.blocks:
+                self.outer_of[b] = lp
+        # waits: a poll is a load from CNT spinning in a small loop; wait code is what the source's
+        # static_range wait loop holds (one unrolled copy per possible wait)
+        self.poll_loops = {lp.header for lp in self.inner_loops if len(lp.instr_indices(self.cfg)) <= 24
+                           and any(self._is_cnt_load(n) for n in lp.instr_indices(self.cfg))}
+        self.polls = {n for lp in self.inner_loops if lp.header in self.poll_loops for n in lp.instr_indices(self.cfg)
+                      if self._is_cnt_load(n)}
+        self.in_wait = [self._in_wait(c) for c in self.chains]
+        self.ctrl_loads = {n for n, ps in self.addr_params.items()
+                           if "CTRL" in ps and self.sass.instrs[n].is_global_load and not self.sass.instrs[n].is_global_atomic}
+        claim = self.src.claim.get("line")
+        self.claims = {n for n in self.in_loop if self.where[n] is None and self.sass.instrs[n].is_global_atomic
+                       and self.chains[n] and self.chains[n][0] == (self.src.entry, claim)}
+        self.group_lines = self._atomic_result_ifs()
         self._branch_info: dict[int, Any] = {}
         self._sim_cache: dict[tuple[Any, ...], dict[str, int]] = {}
+        self._loop_facts: dict[int, LoopFacts] = {}
 
     # ---- mapping -------------------------------------------------------------------------------
 
@@ -262,9 +294,7 @@ class KernelCode:
 
     def _depths(self) -> dict[int, dict[Any, Any]]:
         """Per instruction, per register: global loads on its def-use chain since the top of the task
-        loop (values from before the loop count 0: once per launch; only registers live at the
-        loop head carry into the next task)."""
-        live = self.cfg.liveness()
+        loop (values from before the loop, or from the previous task, count 0)."""
         loop = self.task_loop
         assert loop is not None
 
@@ -283,7 +313,11 @@ class KernelCode:
                 reg_write(st, r, 0 if _is_pred(r) else val, ins.guard, max, 0)
 
         def keep(b: int, k: Any) -> bool:
-            return b != loop.header or k == _SMEM or (isinstance(k, str) and k in live[b])
+            # nothing crosses the back edge into the head: a value the previous task loaded has
+            # arrived (its task used it), and the claimed index is an atomic's (priced apart).
+            # Carrying depths there let a guarded write (`@P0 ATOMG` joins the old value) feed
+            # the previous task's deepest value into the next row load, climbing every pass.
+            return b != loop.header
 
         state = self.cfg.forward(transfer, reg_merge(max), start=loop.header, within=loop.blocks, keep=keep)
         return self.cfg.states_before(state, transfer)
@@ -292,34 +326,78 @@ class KernelCode:
         st, ins = self.depth.get(n, {}), self.sass.instrs[n]
         return max([0] + [reg_read(st, r, ins.guard, 0) for r in ins.address_regs])
 
+    def _is_cnt_load(self, n: int) -> bool:
+        ins = self.sass.instrs[n]
+        return ins.is_global_load and not ins.is_global_atomic and "CNT" in self.addr_params.get(n, ())
+
+    def _in_wait(self, chain: tuple[tuple[str, int], ...]) -> bool:
+        """The instruction belongs to the source's wait loop (`for i in tl.static_range(...)` around
+        a `tl.atomic_poll`), in any frame of its chain."""
+        for fn, line in chain:
+            key = ("in_wait", fn, line)
+            if key not in self.src.cache:
+                st = self.src.stmt_at(fn, line)
+                self.src.cache[key] = st is not None and any(
+                    _is_wait_for(a) for a in self.src.ancestors(fn, st))
+            if self.src.cache[key]:
+                return True
+        return False
+
+    def _atomic_result_ifs(self) -> list[tuple[int, int]]:
+        """Line spans of the task loop's `if` arms whose test reads an atomic's result (the signal's
+        `if old == target - 1`: only a group's last task takes it)."""
+        names = {t.id for st in ast.walk(self.src.task_loop) if isinstance(st, ast.Assign)
+                 and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Attribute)
+                 and st.value.func.attr.startswith("atomic") for t in st.targets if isinstance(t, ast.Name)}
+        claim = self.src.claim.get("target")
+        names -= {claim, self.src.task_index}
+        out = []
+        for node in ast.walk(self.src.task_loop):
+            if isinstance(node, ast.If) and any(isinstance(x, ast.Name) and x.id in names for x in ast.walk(node.test)):
+                out.append((node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno))
+        return out
+
+    def in_group_arm(self, n: int) -> bool:
+        """Task-loop code only a group's last task runs (see `_atomic_result_ifs`)."""
+        ch = self.chains[n]
+        return bool(ch) and ch[0][0] == self.src.entry and any(a <= ch[0][1] <= b for a, b in self.group_lines)
+
     # ---- loops ---------------------------------------------------------------------------------
 
+    def loop_facts(self, lp: Loop) -> LoopFacts:
+        """One inner loop of the task loop: its own instructions (nested loops excluded), the source
+        loop they vote for, the loops around that one, its weight and other loads."""
+        if lp.header in self._loop_facts:
+            return self._loop_facts[lp.header]
+        cfg = self.cfg
+        inner = set().union(*(o.blocks for o in self.inner_loops if o is not lp and o.blocks < lp.blocks))
+        own = sorted(n for b in lp.blocks - inner for n in range(cfg.blocks[b].start, cfg.blocks[b].end))
+        votes: Counter[tuple[Any, ...]] = Counter()
+        for n in own:
+            hit = self.src.loop_statement_of(self.chains[n]) if self.chains[n] else None
+            if hit is not None:
+                k, node = hit
+                votes[self.chains[n][:k] + ((self.chains[n][k][0], node.lineno),)] += 1
+        ch = votes.most_common(1)[0][0] if votes else ()
+        stmt = self.src.loop_statement(ch[-1][0], ch[-1][1]) if ch else None
+        wl = Counter(self.sass.instrs[n].opcode for n in own if n in self.weight)
+        ol = Counter(self.sass.instrs[n].opcode for n in own
+                     if self.sass.instrs[n].is_global_load and n not in self.weight)
+        wf = next((n for n in own if n in self.weight), None)
+        gf = next((n for n in own if self.sass.instrs[n].is_global_load), None)
+        lf = LoopFacts(
+            lp, ch[-1][0] if ch else None, ch[-1][1] if ch else None, ch, stmt, enclosing(self.src, ch, stmt),
+            any(self.sass.instrs[n].is_mma for n in lp.instr_indices(cfg)), dict(wl), dict(ol),
+            self.sass.instrs[cfg.blocks[lp.header].start].addr, own,
+            None if gf is None else self.address_depth(gf), None if wf is None else self.address_depth(wf))
+        self._loop_facts[lp.header] = lf
+        return lf
+
     def body_loops(self, body: str) -> list[LoopFacts]:
-        cfg, loops = self.cfg, []
-        mine = [lp for lp in cfg.loops if lp is not self.task_loop and lp.blocks < self.task_loop.blocks  # type: ignore[union-attr]
-                and self.where[cfg.blocks[lp.header].start] == body]
-        for lp in mine:
-            inner = set().union(*(o.blocks for o in mine if o is not lp and o.blocks < lp.blocks))
-            own = sorted(n for b in lp.blocks - inner for n in range(cfg.blocks[b].start, cfg.blocks[b].end))
-            votes: Counter[tuple[Any, ...]] = Counter()
-            for n in own:
-                hit = self.src.loop_statement_of(self.chains[n]) if self.chains[n] else None
-                if hit is not None:
-                    k, node = hit
-                    votes[self.chains[n][:k] + ((self.chains[n][k][0], node.lineno),)] += 1
-            ch = votes.most_common(1)[0][0] if votes else ()
-            stmt = self.src.loop_statement(ch[-1][0], ch[-1][1]) if ch else None
-            wl = Counter(self.sass.instrs[n].opcode for n in own if n in self.weight)
-            ol = Counter(self.sass.instrs[n].opcode for n in own
-                         if self.sass.instrs[n].is_global_load and n not in self.weight)
-            wf = next((n for n in own if n in self.weight), None)
-            gf = next((n for n in own if self.sass.instrs[n].is_global_load), None)
-            loops.append(LoopFacts(
-                lp, ch[-1][0] if ch else None, ch[-1][1] if ch else None, ch, stmt, enclosing(self.src, ch, stmt),
-                any(self.sass.instrs[n].is_mma for n in lp.instr_indices(cfg)), dict(wl), dict(ol),
-                self.sass.instrs[cfg.blocks[lp.header].start].addr, own,
-                None if gf is None else self.address_depth(gf), None if wf is None else self.address_depth(wf)))
-        return sorted(loops, key=lambda lf: lf.header_addr)
+        """The loops of an op body (polls excluded), by address."""
+        mine = [lp for lp in self.inner_loops if self.where[self.cfg.blocks[lp.header].start] == body
+                and lp.header not in self.poll_loops]
+        return sorted((self.loop_facts(lp) for lp in mine), key=lambda lf: lf.header_addr)
 
     def trips(self, lf: LoopFacts, ev: Evaluator) -> int | None:
         """Iterations of the loop in one task (its own trips times the enclosing loops'), 0 when it
@@ -381,24 +459,94 @@ class KernelCode:
         return None if inside == outside else inside > outside
 
     def successors(self, b: int, ev: Evaluator | None, body: str | None = None) -> list[int]:
-        """The successors of block b a task takes: an evaluable `if` picks its arm, a jump table
-        (the op dispatch) the arm of the task's body; otherwise all."""
+        """The successors of block b a task takes. A conditional branch whose `if` evaluates for the
+        task takes that arm; one that does not is decided by its arms' code (a successor whose code
+        the task provably skips -- a call site or `if` around it is False -- is dropped); in the
+        unrolled wait loop the task enters each copy (`kernel_path` keeps as many as it has waits);
+        the signal's `if` on an atomic's result (a group's last task) is not taken (priced apart);
+        an arm that may or may not run (its test reads data, or the thread id: one thread polls) is
+        entered, so the path is the slowest the task can take. A jump table (the op dispatch, an `if act == ...` chain) goes to the arms that run."""
         succ = self.cfg.blocks[b].succs
         last = self.sass.instrs[self.cfg.blocks[b].end - 1]
-        if last.op in ("BRX", "BRXU") and body is not None:
-            pick = [s for s in succ if self.where[self.cfg.blocks[s].start] == body]
-            return pick or succ
-        if ev is None:
+        if ev is None or len(succ) <= 1:
+            if last.op in ("BRX", "BRXU") and body is not None:
+                return [s for s in succ if self.where[self.cfg.blocks[s].start] == body] or succ
             return succ
-        info = self.branch(b)
-        if info is None:
-            return succ
-        node, ch, side = info
-        t = ev.value(node.test, ch)
-        if t is UNKNOWN:
-            return succ
-        pick = [s for s in succ if side.get(s) is bool(t)]
-        return pick or succ
+        memo = ev.scratch
+        key = ("succ", b)
+        if key in memo:
+            return memo[key]  # type: ignore[no-any-return]
+        res: list[int] | None = None
+        if last.op in ("BRX", "BRXU"):
+            cands = [s for s in succ if self.block_executes(s, ev) is not False]
+            res = [s for s in cands if self._in_true_arm(s, ev)] or cands or None
+        else:
+            info = self.branch(b)
+            if info is not None:
+                node, ch, side = info
+                t = ev.value(node.test, ch)
+                fn = ch[-1][0]
+                if t is not UNKNOWN:
+                    res = [s for s in succ if side.get(s) is bool(t)] or None
+                elif any(_is_wait_for(x) for x in self.src.ancestors(fn, node)):
+                    res = [s for s in succ if side.get(s) is True] or None
+                elif fn == self.src.entry and (node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno) \
+                        in self.group_lines:
+                    res = [s for s in succ if side.get(s) is False] or None
+            if res is None:
+                res = [s for s in succ if self.block_executes(s, ev) is not False] or None
+                join = self.cfg.ipdom()[b]
+                if res is not None and len(res) == 2 and join in res:  # an arm that may run: run it
+                    res = [s for s in res if s != join]
+        out = res or list(succ)
+        memo[key] = out
+        return out
+
+    def executes(self, n: int, ev: Evaluator) -> bool | None:
+        """Whether instruction n runs for the evaluator's task: every call site and `if` around its
+        source statement, in every frame (None: some test cannot be evaluated)."""
+        ch = self.chains[n]
+        if not ch:
+            return None
+        key = ("ex", ch)
+        if key not in ev.scratch:
+            st = self.src.stmt_at(ch[-1][0], ch[-1][1])
+            ev.scratch[key] = ev.executes(st, ch) if st is not None else None
+        return ev.scratch[key]  # type: ignore[no-any-return]
+
+    def block_executes(self, b: int, ev: Evaluator) -> bool | None:
+        """A block runs for the task if one of its first instructions provably does; else not if one
+        of them provably does not (the others' tests may read data: ptxas schedules an inner
+        `if`'s code first on one target and not on another); else unknown."""
+        blk = self.cfg.blocks[b]
+        verdict: bool | None = None
+        for n in range(blk.start, min(blk.end, blk.start + 8)):
+            v = self.executes(n, ev)
+            if v is True:
+                return True
+            if v is False:
+                verdict = False
+        return verdict
+
+    def _in_true_arm(self, b: int, ev: Evaluator) -> bool:
+        """The block's first source statement lies inside an `if` arm whose test holds for the task
+        (a jump table's taken arm, as opposed to the code after the chain)."""
+        blk = self.cfg.blocks[b]
+        n = next((n for n in range(blk.start, min(blk.end, blk.start + 8)) if self.chains[n]), None)
+        if n is None:
+            return False
+        ch = self.chains[n]
+        for k, (fn, line) in enumerate(ch):
+            st = self.src.stmt_at(fn, line)
+            if st is None:
+                continue
+            anc = self.src.ancestors(fn, st)
+            for child, par in zip(anc, anc[1:], strict=False):
+                if isinstance(par, ast.If) and child in par.body:
+                    t = ev.value(par.test, ch[:k] + ((fn, par.lineno),))
+                    if t is not UNKNOWN and bool(t):
+                        return True
+        return False
 
     def loop_path(self, lf: LoopFacts, ev: Evaluator | None, body: str, limit: int = 32) -> dict[str, Any]:
         """In-flight and round-trip facts of one iteration of the loop on the path(s) the task
@@ -445,76 +593,6 @@ class KernelCode:
         self._sim_cache[key] = best
         return best
 
-    def straight_path(self, body: str, ev: Evaluator | None, limit: int = 32) -> dict[str, Any]:
-        """The body's code outside its loops on the task's path, issued once (fully unrolled
-        loops and prologues live here): the same facts as `loop_path`, one pass."""
-        cfg = self.cfg
-        blocks = self.body_blocks.get(body, set())
-        assert self.task_loop is not None
-        loops = [lp for lp in cfg.loops if lp is not self.task_loop and lp.blocks < self.task_loop.blocks
-                 and lp.blocks & blocks]
-        in_loop = set().union(*(lp.blocks for lp in loops)) & blocks
-        entries = [b for b in sorted(blocks) if not any(p in blocks for p in cfg.blocks[b].preds)]
-        key = ("straight", body, tuple(tuple(self.successors(b, ev, body)) for b in sorted(blocks)
-                                       if self.branch(b) is not None))
-        if key in self._sim_cache:
-            return self._sim_cache[key]
-        paths: list[list[int]] = []
-
-        def walk(b: int, path: list[int], seen: frozenset[int]) -> None:
-            if len(paths) >= limit:
-                return
-            if b not in blocks or b in seen:
-                paths.append(path)
-                return
-            if b in in_loop:  # continue at the exits of the outermost loop holding b
-                lp = max((lp for lp in loops if b in lp.blocks), key=lambda lp: len(lp.blocks))
-                exits = {x for y in lp.blocks for x in cfg.blocks[y].succs if x not in lp.blocks}
-                for x in sorted(exits) or [-1]:
-                    walk(x, path, seen | lp.blocks)
-                return
-            for x in self.successors(b, ev, body):
-                walk(x, [*path, b], seen | {b})
-
-        for e in entries:
-            walk(e, [], frozenset())
-        best: dict[str, Any] = {}
-        for p in paths or [[]]:
-            idx = [n for b in p for n in range(cfg.blocks[b].start, cfg.blocks[b].end)]
-            r = simulate([self.sass.instrs[n] for n in idx], [n in self.weight for n in idx], passes=1)
-            if not best or (r["weight_loads"], r["round_trips_per_iteration"]) > \
-                    (best["weight_loads"], best["round_trips_per_iteration"]):
-                best = r
-        self._sim_cache[key] = best
-        return best
-
-    def body_sync(self, body: str, ev: Evaluator | None) -> SyncCounts:
-        """Sync instructions of the body outside its loops on the task's path (worst path)."""
-        cfg = self.cfg
-        blocks = self.body_blocks[body]
-        loop_blocks = set().union(*(lp.blocks for lp in cfg.loops if lp is not self.task_loop
-                                    and lp.blocks < self.task_loop.blocks  # type: ignore[union-attr]
-                                    and cfg.blocks[lp.header].start in range(len(self.where))
-                                    and self.where[cfg.blocks[lp.header].start] == body))
-        entries = [b for b in blocks if not any(p in blocks for p in cfg.blocks[b].preds)]
-        memo: dict[int, SyncCounts] = {}
-
-        def cost(b: int, stack: frozenset[int]) -> SyncCounts:
-            if b in memo:
-                return memo[b]
-            own = SyncCounts()
-            if b not in loop_blocks:
-                for n in range(cfg.blocks[b].start, cfg.blocks[b].end):
-                    own.add(self.sass.instrs[n])
-            nxt = [s for s in self.successors(b, ev, body) if s in blocks and s not in stack]
-            tails = [cost(s, stack | {b}) for s in nxt]
-            worst = max(tails, key=lambda c: (c.fences, c.atomics, c.l1_invalidations, c.barriers), default=SyncCounts())
-            memo[b] = own.plus(worst)
-            return memo[b]
-
-        return max((cost(e, frozenset()) for e in entries), key=lambda c: (c.fences, c.atomics, c.barriers),
-                   default=SyncCounts())
-
 
 def enclosing(src: KernelSource, chain: tuple[tuple[str, int], ...], node: Any
                ) -> list[tuple[tuple[tuple[str, int], ...], Any]]:
@@ -529,3 +607,21 @@ def enclosing(src: KernelSource, chain: tuple[tuple[str, int], ...], node: Any
                 out.append((chain[:k] + ((fn, par.lineno),), par))
             par = src.parent(fn, par)
     return out
+
+
+def _is_wait_for(node: ast.AST) -> bool:
+    """A `for ... in tl.static_range(...)` whose body polls (the task's waits, unrolled)."""
+    return (isinstance(node, ast.For) and isinstance(node.iter, ast.Call) and isinstance(node.iter.func, ast.Attribute)
+            and node.iter.func.attr == "static_range"
+            and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "atomic_poll"
+                    for st in node.body for c in ast.walk(st)))
+
+
+def kernel_info(man: dict[str, Any], target: str, kernel: str) -> dict[str, Any] | None:
+    """The manifest entry of one kernel of a target: "decode" is the target's own fields; "prefill"
+    its `prefill` entry (bundle format 2), or the target's fields where one kernel runs both modes
+    (format 1)."""
+    info = man["targets"].get(target)
+    if info is None or kernel == "decode":
+        return info
+    return info.get("prefill", info)  # type: ignore[no-any-return]

@@ -1,38 +1,33 @@
 """The megakernel decode latency model: µs per token per GPU target (low / central / high), from
-the machine-code facts (`kernel_stats`), the task tables (`kernel_tables`) and stated per-target
-latency and bandwidth ranges. docs/kernel-model.md explains every term; this module is the code.
+the machine code (`kernel_code`, each task's path through it: `kernel_path`), the task tables and
+their bytes (`kernel_tables`), and stated per-target latency and bandwidth ranges, through a
+discrete-event simulation of the decode step (`kernel_sim`). docs/kernel-model.md explains every
+term; this module builds the simulation's inputs and reads its outputs.
 
-    task    = atomics x t_atomic + fences x t_fence + L1 invalidations x t_inval + barriers x t_bar
-            + L2 x max(address chain, wait chain)                          # before the first loop
-            + sum over the task's loops: trips x max(round trips per iteration x latency,
-                                                     bytes per iteration / per-SM bandwidth)
-    level   = max(list schedule of its tasks on the grid, its bytes / HBM bandwidth)
-    step    = launch + sum of levels + (levels - 1) x t_sync
-
-A loop that moves weights waits DRAM latency for its weight round trips and L2 latency for the
-others (activations are written by other SMs moments before, so they sit in L2); a loop whose
-trips grow with the context streams the KV cache (DRAM unless the cache fits in half the L2).
-Per-SM bandwidth in a level is min(t_sm, HBM / active SMs). Little's law is the per-iteration
-term: an SM that keeps B bytes in flight per DRAM latency L gets B / L.
+Per task, from its path: L2 round trips before its weight request and before its first poll, the
+weight bytes it requests before the poll (`prefetch`, capped by its bytes from the tables), the
+round trips after the waits before, beside and after its stream, the bytes in flight per SM while
+streaming (Little's law: an SM with D bytes in flight at latency L moves D / L), the round trips its
+loops add per iteration beyond the streamed load, the instructions after its last weight byte,
+and its fences, waited atomics, barriers and L1 invalidations. Per step: the floor is the step's
+DRAM bytes over the measured HBM bandwidth.
 """
 
 from __future__ import annotations
 
-import heapq
-import io
+import statistics
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from zlc.bundle import MODE_DECODE, OP_NAMES, read_manifest
+from zlc.bundle import MODE_DECODE, OP_NAMES
 from zlc.targets import get_target
 
-from .kernel_source import KernelSource
-from .kernel_stats import KernelStatsError, SyncCounts, TargetFacts, cubin_facts
-from .kernel_tables import TableFacts, table_facts
+from .kernel_code import KernelCode, KernelStatsError, SyncCounts
+from .kernel_path import PathFacts, nest, task_path
+from .kernel_sim import SimParams, SimResult, TaskShape, simulate
+from .kernel_tables import TableFacts, waits_of
 
-__all__ = ["CASES", "LatencyParams", "LoopCost", "Prediction", "TaskCost", "bundle_report", "params_for", "predict",
-           "render_markdown", "render_text", "rich_tables", "step_time", "summary_rows", "task_costs", "task_time"]
+__all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "predict", "sim_params", "task_shapes"]
 
 CASES = ("low", "central", "high")  # low: every range at its fast end
 
@@ -45,29 +40,32 @@ class LatencyParams:
     hbm_gbs: float  # measured device copy bandwidth (not the spec sheet)
     dram_us: float  # DRAM latency under load
     l2_us: float  # L2 hit round trip as an SM sees it
-    atomic_us: float  # a global atomic whose result the task waits for (the queue claim, the signal)
+    atomic_us: float  # a global atomic whose result the task waits for
     fence_us: float  # MEMBAR.GPU: outstanding stores acknowledged by L2
     inval_us: float  # CCTL.IVALL
     barrier_us: float  # BAR.SYNC of one program's warps
-    sync_us: float  # a signal reaching L2 until the polling program sees it (between levels)
-    launch_us: float  # per step: launch, and the last program's exit and counter reset
+    sync_us: float  # a signal landing in L2 until the polling program sees it
+    launch_us: float  # per step: launch, the first claim's wait, the last program's exit and reset
     sm_gbs: float  # most one SM pulls from L2/DRAM
+    clock_ghz: float  # SM clock under load
+    ipc: float  # warp instructions issued per cycle per SM (4 schedulers)
     l2_mb: float
 
 
-# Ranges per GPU (low = fast end, high = slow end). Sources: measured copy bandwidth of H100/H200
-# SXM (~85-95 % of the 4.8 TB/s spec) and A10 GDDR6 (~500 of 600 GB/s); loaded DRAM latency and
-# L2 hit latency from published microbenchmarks of Hopper / Ampere (~480-900 ns, ~150-450 ns);
-# one fence or atomic about one L2 round trip, more under contention on the one queue counter.
+# Ranges per GPU family (low = fast end, high = slow end). Sources: measured copy bandwidth of
+# H100/H200 SXM (~85-95 % of the 4.8 TB/s spec) and A10 GDDR6 (~500 of 600 GB/s); loaded DRAM and
+# L2 hit latency from published microbenchmarks of Hopper / Ampere (~480-900 ns, ~150-450 ns); a
+# fence or a waited atomic about one L2 round trip, more under contention; clocks between the
+# sustained and the boost clock.
 _RANGES: dict[str, dict[str, tuple[float, float, float]]] = {
     "sm_90": {"hbm_gbs": (4500, 4300, 3900), "dram_us": (0.55, 0.7, 0.9), "l2_us": (0.2, 0.3, 0.45),
               "atomic_us": (0.3, 0.5, 0.9), "fence_us": (0.2, 0.4, 0.8), "inval_us": (0.01, 0.02, 0.05),
               "barrier_us": (0.01, 0.02, 0.04), "sync_us": (0.2, 0.35, 0.6), "launch_us": (2.0, 4.0, 8.0),
-              "sm_gbs": (120, 100, 80)},
+              "sm_gbs": (120, 100, 80), "clock_ghz": (1.98, 1.75, 1.5), "ipc": (4, 3, 2)},
     "sm_8x": {"hbm_gbs": (550, 500, 450), "dram_us": (0.45, 0.6, 0.8), "l2_us": (0.15, 0.22, 0.35),
               "atomic_us": (0.25, 0.4, 0.8), "fence_us": (0.15, 0.3, 0.6), "inval_us": (0.01, 0.02, 0.05),
               "barrier_us": (0.01, 0.02, 0.04), "sync_us": (0.15, 0.3, 0.5), "launch_us": (2.0, 4.0, 8.0),
-              "sm_gbs": (100, 90, 70)},
+              "sm_gbs": (100, 90, 70), "clock_ghz": (1.69, 1.5, 1.3), "ipc": (4, 3, 2)},
 }
 _L2_MB = {"a10": 6, "a100": 40, "l4": 48, "rtx3090": 6, "rtx4090": 72, "h100": 50, "h200": 50}
 # targets measured against a different bandwidth than the family's reference part: scale it
@@ -86,6 +84,138 @@ def params_for(target: str, case: str) -> LatencyParams:
     return LatencyParams(sms=t.sms, l2_mb=float(_L2_MB.get(t.name, 6)), **r)
 
 
+def sim_params(lp: LatencyParams, grid: int, warps: int, claim_overlapped: bool) -> SimParams:
+    return SimParams(grid=grid, l2=lp.l2_us, dram=lp.dram_us, atomic=lp.atomic_us, fence=lp.fence_us,
+                     inval=lp.inval_us, barrier=lp.barrier_us, sig=lp.sync_us, launch=lp.launch_us,
+                     sm_bw=lp.sm_gbs * 1e3, hbm_bw=lp.hbm_gbs * 1e3, instr=warps / lp.ipc / (lp.clock_ghz * 1e3),
+                     claim_overlapped=claim_overlapped)
+
+
+@dataclass
+class ShapeInfo:
+    """How the task shapes were made: path classes (per op body and variant), and what could not
+    be priced from the machine code."""
+
+    classes: dict[tuple[Any, ...], dict[str, Any]]  # (body, variants) -> sample task, tasks, path facts
+    unpriced: int  # tasks with bytes but no stream found on their path
+    ctrl_loads_per_step: float  # CTRL (mapped) loads inside the task loop, per step
+
+
+def task_shapes(code: KernelCode, tables: TableFacts, context: int, l2_mb: float) -> tuple[list[TaskShape], ShapeInfo]:
+    """The simulation's input for every decode task (see the module docstring)."""
+    tabs = tables.tables
+    ev = tabs.evaluator(MODE_DECODE, context, step=MODE_DECODE)
+    rows = tabs.rows(MODE_DECODE)
+    waits = waits_of(rows)
+    tr = tables.traffic["decode"]
+    kv_in_l2 = sum(tr.kv) <= l2_mb * 1e6 / 2
+    threads = code.params.threads or int(code.info.get("metadata", {}).get("num_warps", 8)) * 32
+    last_of_group = set({r["signal"]: i for i, r in enumerate(rows) if r["parent"] >= 0}.values())
+    group = SyncCounts()
+    for n in range(code.hi):
+        if n in code.in_loop and code.in_group_arm(n):
+            group.add(code.sass.instrs[n])
+    cache: dict[tuple[Any, ...], list[tuple[tuple[int, ...], tuple[Any, ...], PathFacts]]] = {}
+    classes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    shapes: list[TaskShape] = []
+    unpriced = 0
+    ctrl = 0.0
+    for i, r in enumerate(rows):
+        ev.set_task(i)
+        key = (r["op"], r["desc"], len(r["waits"]), tr.kv[i] > 0)
+        pf = None
+        for blocks, vals, cand in cache.get(key, []):
+            if tuple(tuple(code.successors(b, ev)) for b in blocks) == vals:
+                pf = cand
+                break
+        if pf is None:
+            pf = task_path(code, ev, r["op"], len(r["waits"]), kv=tr.kv[i] > 0)
+            vals = tuple(tuple(code.successors(b, ev)) for b in pf.decisions)
+            cache.setdefault(key, []).append((pf.decisions, vals, pf))
+        s, priced, c = _shape(code, ev, pf, tr.weights[i], tr.kv[i], threads, kv_in_l2)
+        cls = classes.get((pf.body, pf.variants))
+        if cls is None:
+            cls = classes[(pf.body, pf.variants)] = {"sample_task": i, "tasks": 0, "path": pf, "shape": s,
+                                                     "weight_bytes": tr.weights[i],
+                                                     "weight_opcodes": _weight_opcodes(code, ev, pf)}
+        cls["tasks"] += 1
+        unpriced += not priced
+        ctrl += c
+        s.op, s.waits, s.level = r["op"], waits[i], tables.levels["decode"][i]
+        if i in last_of_group:
+            s.fences += group.fences
+            s.invalidations += group.l1_invalidations
+            s.barriers += group.barriers
+        shapes.append(s)
+    return shapes, ShapeInfo(classes, unpriced, ctrl)
+
+
+def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float, threads: int,
+           kv_in_l2: bool) -> tuple[TaskShape, bool, float]:
+    s = TaskShape(op=-1, waits=[])
+    prefetch = min(float(wbytes), pf.prefetch_per_thread * threads)
+    s.pre_rt = float(pf.pre_rt or 0)
+    s.poll_rt = float(pf.poll_rt)
+    s.prefetch = prefetch
+    s.used_before_poll = pf.used_before_poll_per_thread > 0
+    s.lead_rt, s.par_rt, s.tail_rt = float(pf.lead_rt), float(pf.par_rt), float(pf.tail_rt)
+    s.instrs = float(pf.tail_instrs)
+    s.fences, s.invalidations = pf.sync.fences, pf.sync.l1_invalidations
+    s.barriers, s.atomics = pf.sync.barriers, float(pf.waited_atomics)
+    in_flight = [pf.in_flight_per_thread * threads] if pf.in_flight_per_thread else []
+    streams_w = bool(pf.weight_opcodes) and wbytes > prefetch
+    stream_kv = False
+    ctrl = float(pf.ctrl_loads)
+    body = pf.body or ""
+    for outer, region in pf.loops:
+        for lf in nest(code, outer):
+            trips = code.trips(lf, ev)
+            if trips == 0:
+                continue
+            trips = 1 if trips is None else trips  # unknown (the facts say so): once
+            it = code.loop_path(lf, ev, body)
+            rt = it["round_trips_per_iteration"]
+            sy = it["sync"]  # per iteration; a loop's atomics are the body's own (none waited on in practice)
+            s.fences += trips * sy["fences"]
+            s.invalidations += trips * sy["l1_invalidations"]
+            s.barriers += trips * sy["barriers"]
+            ctrl += trips * sum(1 for n in lf.own if n in code.ctrl_loads)
+            if lf.weight_loads:
+                in_flight.append(it["weight_in_flight_per_thread"] * threads)
+                s.serial_rt += trips * max(0, rt - 1)
+                streams_w = True
+            elif lf.loop.header == pf.kv_loop:
+                in_flight.append(it["global_in_flight_per_thread"] * threads)
+                s.serial_rt += trips * max(0, rt - 1)
+                stream_kv = True
+            elif region in ("lead", "pre"):
+                s.lead_l2 += trips * rt
+            elif region in ("par", "stream"):
+                s.serial_rt += trips * rt
+            else:
+                s.tail_rt += trips * rt
+                s.instrs += trips * len(lf.own)
+    s.stream = (wbytes - prefetch if streams_w else 0.0) + (kvbytes if stream_kv else 0.0)
+    s.stream_l2 = stream_kv and not streams_w and kv_in_l2
+    s.in_flight = max(in_flight, default=0.0)
+    priced = (wbytes == 0 or streams_w or prefetch >= wbytes) and (kvbytes == 0 or stream_kv)
+    if not priced:  # bytes the path shows no load for: streamed at the per-SM limit, and counted
+        s.stream = wbytes - prefetch + kvbytes
+    return s, priced, ctrl
+
+
+def _weight_opcodes(code: KernelCode, ev: Any, pf: PathFacts) -> dict[str, int]:
+    """Weight-load opcodes on the task's path: its straight-line code once, each loop that runs
+    for the task per iteration (the masked fallback streams its weights in a loop)."""
+    out = dict(pf.weight_opcodes)
+    for outer, _ in pf.loops:
+        for lf in nest(code, outer):
+            if lf.weight_loads and code.trips(lf, ev) != 0:
+                for k, v in code.loop_path(lf, ev, pf.body or "")["weight_opcodes"].items():
+                    out[k] = out.get(k, 0) + v
+    return out
+
+
 @dataclass
 class Prediction:
     target: str
@@ -93,337 +223,66 @@ class Prediction:
     us: dict[str, float]  # case -> µs per decode token
     floor_us: dict[str, float]  # case -> bytes per step / HBM bandwidth
     bytes_per_step: int
-    terms: dict[str, float]  # central: where the time goes (µs)
-    per_op: dict[str, dict[str, float]]  # central: op kind -> tasks, mean task µs
+    roofline_bytes: int | None  # the manifest's roofline at the nearest context it lists, for comparison
+    per_op: dict[str, dict[str, float]]  # central: tasks, busy µs, mean task µs, polling µs, share
+    sms: dict[str, Any]  # central: idle and polling µs per SM (min / median / max), busy share
+    critical: dict[str, Any]  # central: the critical path
+    hbm_utilization: float  # central: HBM bytes / (step x bandwidth)
+    classes: list[dict[str, Any]]  # path classes: body, variants, tasks, sample task, path facts
+    unpriced_tasks: int
+    ctrl_loads_per_step: float
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _sync_cost(c: SyncCounts, p: LatencyParams) -> float:
-    return c.atomics * p.atomic_us + c.fences * p.fence_us + c.l1_invalidations * p.inval_us \
-        + c.barriers * p.barrier_us
-
-
-@dataclass
-class LoopCost:
-    """One loop as one task runs it."""
-
-    trips: int
-    round_trips: int  # dependent global round trips per iteration
-    before_weights: int  # of those, the ones before its weight loads issue (activations: L2)
-    weight: bool  # it streams weights
-    kv: bool  # its trips grow with the context: it streams the KV cache
-    nbytes: float  # bytes it moves for the task
-    in_flight: float  # bytes one SM keeps in flight in it (per thread x threads x programs per SM)
-
-
-@dataclass
-class TaskCost:
-    op: int
-    level: int
-    sync: SyncCounts  # fences, L1 invalidations, atomics, barriers on its path
-    chain: int  # dependent loads before its first loop (address chain, or up to its waits' polls)
-    loops: list[LoopCost]
-    nbytes: float  # bytes it must read from DRAM (weights + its KV share)
-
-
-def task_time(t: TaskCost, p: LatencyParams, kv_in_l2: bool) -> tuple[float, dict[str, float]]:
-    """µs of one task on one SM, split into fixed (sync instructions), chain and loops."""
-    sm_bw = p.sm_gbs * 1e3  # bytes per µs
-    fixed = _sync_cost(t.sync, p)
-    chain = t.chain * p.l2_us
-    loops = 0.0
-    for lp in t.loops:
-        if lp.weight and lp.in_flight > 0:  # Little's law: B bytes in flight per DRAM latency
-            loops += lp.trips * lp.before_weights * p.l2_us + lp.nbytes / min(lp.in_flight / p.dram_us, sm_bw)
-        elif lp.weight or lp.kv:
-            lat = p.l2_us if lp.kv and kv_in_l2 else p.dram_us
-            loops += max(lp.trips * lp.round_trips * lat, lp.nbytes / sm_bw)
-        else:
-            loops += lp.trips * lp.round_trips * p.l2_us
-    return fixed + chain + loops, {"fixed": fixed, "chain": chain, "loops": loops}
-
-
-def step_time(tasks: list[TaskCost], p: LatencyParams, grid: int, kv_in_l2: bool = False
-              ) -> tuple[float, dict[str, float]]:
-    """µs of one decode step: launch, then the levels in sequence, each the list schedule of its
-    tasks (table order) on `grid` programs but no shorter than its bytes over HBM bandwidth, with
-    one sync latency between consecutive levels."""
-    by_level: dict[int, list[TaskCost]] = {}
-    for t in tasks:
-        by_level.setdefault(t.level, []).append(t)
-    terms = {"launch": p.launch_us, "fixed": 0.0, "chain": 0.0, "loops": 0.0, "sync": 0.0, "level_bw_bound": 0.0}
-    total = p.launch_us
-    for lv in sorted(by_level):
-        level = by_level[lv]
-        heap = [0.0] * max(1, min(len(level), grid))
-        parts = {"fixed": 0.0, "chain": 0.0, "loops": 0.0}
-        for t in level:
-            dt, part = task_time(t, p, kv_in_l2)
-            heapq.heappush(heap, heapq.heappop(heap) + dt)
-            for k in parts:
-                parts[k] += part[k]
-        span = max(heap)
-        bound = sum(t.nbytes for t in level) / (p.hbm_gbs * 1e3)
-        total += max(span, bound)
-        work = sum(parts.values()) or 1.0
-        for k in parts:  # the level's span, shared out like its tasks' time
-            terms[k] += span * parts[k] / work
-        terms["level_bw_bound"] += max(0.0, bound - span)
-    terms["sync"] = (len(by_level) - 1) * p.sync_us
-    return total + terms["sync"], terms
-
-
-def task_costs(facts: TargetFacts, tables: TableFacts, context: int, kv_bytes: int) -> list[TaskCost]:
-    """The model's inputs for every decode task: its loops' trips evaluated for it, its path
-    through each loop and the body (the `if`s it takes), its waits and signals."""
-    code, src, tabs = facts.code, facts.code.src, tables.tables
-    ev = tabs.evaluator(MODE_DECODE, context)
-    ev2 = tabs.evaluator(MODE_DECODE, context * 2 + 64)  # trips that change with the context: KV
-    rows = tabs.rows(MODE_DECODE)
-    last_of_group = set({r["signal"]: i for i, r in enumerate(rows) if r["parent"] >= 0}.values())
-    per_sm = max(1, min(facts.occupancy["programs_per_sm"] or 1, -(-facts.grid // max(get_target(facts.target).sms, 1))))
-    sync_cache: dict[tuple[Any, ...], SyncCounts] = {}
-    out: list[TaskCost] = []
-    pending_kv: list[tuple[TaskCost, LoopCost]] = []
-    for i, r in enumerate(rows):
-        body = src.dispatch.get(r["op"])
-        ev.set_task(i)
-        ev2.set_task(i)
-        sync = facts.per_task.plus(facts.per_wait, len(r["waits"]))
-        if i in last_of_group:
-            sync = sync.plus(facts.per_group)
-        loops: list[LoopCost] = []
-        first_depth = None
-        items = []
-        for lf in facts.bodies[body].loops if body in facts.bodies else []:
-            trips = code.trips(lf, ev)
-            if trips == 0:
-                continue
-            trips = 1 if trips is None else trips  # unknown (the facts say so): counted once
-            path = code.loop_path(lf, ev, body)  # type: ignore[arg-type]
-            if first_depth is None:
-                first_depth = lf.first_load_depth or 0
-            items.append((trips, path, code.trips(lf, ev2) not in (trips, None)))
-            sync = sync.plus(SyncCounts(**path["sync"]), trips)
-        wsum = sum(tr * pa["weight_bytes_per_thread"] for tr, pa, _ in items if pa["weight_loads"]) or 1
-        wbytes = tables.weight_bytes["decode"][i]
-        for trips, path, kv in items:
-            w = path["weight_loads"] > 0
-            nbytes = wbytes * trips * path["weight_bytes_per_thread"] / wsum if w else \
-                trips * path["global_bytes_per_thread"] * facts.threads * per_sm
-            loops.append(LoopCost(trips, path["round_trips_per_iteration"], path["round_trips_before_weights"], w,
-                                  kv and not w, nbytes, path["weight_in_flight_per_thread"] * facts.threads * per_sm))
-        if body and body in code.body_blocks:
-            flat = code.straight_path(body, ev)
-            if flat.get("weight_loads"):  # weights loaded outside any loop (unrolled): priced as one pass
-                loops.append(LoopCost(1, flat["round_trips_per_iteration"], flat["round_trips_before_weights"], True,
-                                      False, wbytes if not any(lp.weight for lp in loops) else 0.0,
-                                      flat["weight_in_flight_per_thread"] * facts.threads * per_sm))
-            key = (body, tuple(tuple(code.successors(b, ev, body)) for b in sorted(code.body_blocks.get(body, ()))
-                               if code.branch(b) is not None))
-            if key not in sync_cache:
-                sync_cache[key] = code.body_sync(body, ev)
-            sync = sync.plus(sync_cache[key])
-        chain = max(first_depth or 0, (facts.wait_round_trips or 0) if r["waits"] else 0)
-        t = TaskCost(r["op"], tables.levels["decode"][i], sync, chain, loops, float(wbytes))
-        pending_kv += [(t, lp) for lp in loops if lp.kv]
-        out.append(t)
-    for t, lp in pending_kv:  # the KV cache bytes of the step, shared by the loops that stream it
-        lp.nbytes = kv_bytes / len(pending_kv)
-        t.nbytes += lp.nbytes
-    return out
-
-
-def predict(facts: TargetFacts, tables: TableFacts, man: dict[str, Any], context: int) -> Prediction:
-    """µs per decode token (low / central / high) and the HBM floor, for one target."""
-    roof = man["targets"][facts.target].get("roofline", {})
-    kv = int(roof.get("kv_bytes_per_token", 0)) * context
-    tasks = task_costs(facts, tables, context, kv)
-    us, floor, terms = {}, {}, {}
-    nbytes = tables.modes["decode"]["weight_bytes"] + kv
+def predict(code: KernelCode, tables: TableFacts, man: dict[str, Any], context: int) -> Prediction:
+    """µs per decode token (low / central / high), the floor and the simulation's breakdown."""
+    target = code.target
+    central = params_for(target, "central")
+    shapes, info = task_shapes(code, tables, context, central.l2_mb)
+    grid = int(code.info.get("grid") or man["targets"][target].get("grid") or central.sms)
+    warps = max(1, (code.params.threads or 256) // 32)
+    overlapped = bool(code.src.claim.get("overlapped"))
+    nbytes = tables.traffic["decode"].total
+    us, floor = {}, {}
+    res: SimResult | None = None
     for case in CASES:
-        p = params_for(facts.target, case)
-        us[case], parts = step_time(tasks, p, facts.grid, kv_in_l2=kv <= p.l2_mb * 1e6 / 2)
-        floor[case] = nbytes / (p.hbm_gbs * 1e3)
+        lp = params_for(target, case)
+        r = simulate(shapes, sim_params(lp, grid, warps, overlapped))
+        us[case] = round(r.step_us, 1)
+        floor[case] = round(nbytes / (lp.hbm_gbs * 1e3), 2)
         if case == "central":
-            terms = {k: round(v, 1) for k, v in parts.items()}
-    p = params_for(facts.target, "central")
-    per_op: dict[str, dict[str, float]] = {}
-    for t in tasks:
-        name = OP_NAMES[t.op] if t.op < len(OP_NAMES) else str(t.op)
-        d = per_op.setdefault(name, {"tasks": 0, "us": 0.0})
-        d["tasks"] += 1
-        d["us"] += task_time(t, p, kv <= p.l2_mb * 1e6 / 2)[0]
-    for d in per_op.values():
-        d["mean_task_us"] = round(d.pop("us") / d["tasks"], 2)
-    return Prediction(facts.target, context, {k: round(v, 1) for k, v in us.items()},
-                      {k: round(v, 3) for k, v in floor.items()}, nbytes, terms, per_op)
+            res = r
+    assert res is not None
+    busy_total = sum(res.busy_us) or 1.0
+    per_op = {}
+    for op, d in sorted(res.per_op.items()):
+        name = OP_NAMES[op] if 0 <= op < len(OP_NAMES) else str(op)
+        per_op[name] = {"tasks": d["tasks"], "busy_us": round(d["busy_us"], 1),
+                        "mean_task_us": round(d["busy_us"] / max(d["tasks"], 1), 2),
+                        "polling_us": round(d["polling_us"], 1), "share_of_busy": round(d["busy_us"] / busy_total, 3)}
+    span = res.step_us - central.launch_us
+    idle = [span - b for b in res.busy_us]
+    sms = {"idle_us": _stats(idle), "polling_us": _stats(res.polling_us),
+           "busy_share": round(busy_total / (span * len(res.busy_us)), 3) if span > 0 else 0.0}
+    crit = dict(res.critical)
+    chain = crit.pop("tasks")
+    crit["signal_hops"] = sum(1 for k in chain if res.times[k].wait_by >= 0)
+    crit["levels"] = len({shapes[k].level for k in chain})
+    crit["ops"] = {OP_NAMES[o] if 0 <= o < len(OP_NAMES) else str(o): n for o, n in crit.get("ops", {}).items()}
+    roof = man["targets"][target].get("roofline", {})
+    rb = roof.get(f"bytes_at_{context}") or roof.get(f"bytes_at_{context + 1}")
+    classes = [{"body": body, "op": OP_NAMES[shapes[c["sample_task"]].op], "variants": list(var), "tasks": c["tasks"],
+                "sample_task": c["sample_task"], "weight_bytes": c["weight_bytes"],
+                "weight_opcodes": c["weight_opcodes"], "in_flight_bytes": round(c["shape"].in_flight), "prefetch_bytes": round(c["shape"].prefetch),
+                "fences": c["shape"].fences, "l1_invalidations": c["shape"].invalidations,
+                "path": c["path"].as_dict()} for (body, var), c in info.classes.items()]
+    return Prediction(target, context, us, floor, int(nbytes), int(rb) if rb else None, per_op, sms, crit,
+                      round(res.hbm_bytes / max(span, 1e-9) / (central.hbm_gbs * 1e3), 3), classes, info.unpriced,
+                      info.ctrl_loads_per_step)
 
 
-# ---- the report ---------------------------------------------------------------------------------
-
-def bundle_report(bundle: Path, targets: list[str] | None = None, context: int | None = None) -> dict[str, Any]:
-    """Facts and prediction for every GPU target of a bundle (JSON-ready)."""
-    bundle = Path(bundle)
-    man = read_manifest(bundle)
-    gpu = [t for t, i in man["targets"].items() if "cubin" in i]
-    if not gpu:
-        raise KernelStatsError(f"{bundle} has no GPU target (compiled for {', '.join(man['targets'])}): no machine "
-                               "code to read; compile it with a GPU target, e.g. --target h200")
-    chosen = targets or gpu
-    missing = [t for t in chosen if t not in gpu]
-    if missing:
-        raise KernelStatsError(f"{bundle} has no cubin for {', '.join(missing)} (has: {', '.join(gpu)})")
-    for need in [man["kernel"]["source"], *{man["tilings"][man["targets"][t]["tiling"]]["tables"] for t in chosen}]:
-        if not (bundle / need).is_file():
-            raise KernelStatsError(f"{bundle}: {need} is missing (a slim device copy?); the kernel statistics need "
-                                   "the manifest, kernel.py, the tables and the cubins")
-    src = KernelSource((bundle / man["kernel"]["source"]).read_text(), man["kernel"]["entry"])
-    ctx = context or int(man["model"]["max_seq"])
-    tables: dict[str, TableFacts] = {}
-    out: dict[str, Any] = {"bundle": str(bundle), "model": man["model"]["name"], "max_seq": man["model"]["max_seq"],
-                           "context": ctx, "weights": man["dtype"]["weights"], "targets": {}}
-    for t in chosen:
-        tiling = man["targets"][t]["tiling"]
-        if tiling not in tables:
-            tables[tiling] = table_facts(bundle, tiling, src, man)
-        tf = tables[tiling]
-        facts = cubin_facts(bundle, t, man, evaluator=tf.tables.sampler(MODE_DECODE, ctx), src=src)
-        pred = predict(facts, tf, man, ctx)
-        out["targets"][t] = {"facts": facts.as_dict(), "prediction": pred.as_dict(), "tiling": tiling}
-    out["tables"] = {k: v.as_dict() for k, v in tables.items()}
-    for v in out["tables"].values():
-        for m in v["modes"].values():
-            m.pop("weight_bytes_per_level", None)
-    return out
-
-
-def summary_rows(rep: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
-    """(fact, {target: value}) rows of the headline table."""
-    rows: list[tuple[str, dict[str, str]]] = []
-    tg = rep["targets"]
-
-    def row(name: str, fn: Any) -> None:
-        vals = {}
-        for t, r in tg.items():
-            try:
-                vals[t] = str(fn(r))
-            except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError):
-                vals[t] = "?"
-        rows.append((name, vals))
-
-    def lin(r: dict[str, Any]) -> dict[str, Any]:
-        return next(b["decode"] for b in r["facts"]["bodies"].values() if b["op"] == "linear")
-
-    row("arch", lambda r: r["facts"]["arch"])
-    row("registers / spill bytes", lambda r: f"{r['facts']['registers']} / {r['facts']['spill_bytes']}")
-    row("threads, programs and warps per SM", lambda r: f"{r['facts']['threads_per_program']}, "
-        f"{r['facts']['occupancy']['programs_per_sm']}, {r['facts']['occupancy']['warps_per_sm']}")
-    row("weight loads per thread per main-loop iteration (linear; all paths)",
-        lambda r: ", ".join(f"{k} x{v}" for k, v in lin(r)["weight_load_opcodes"].items())
-        + " (" + ", ".join(f"x{v}" for v in lin(r)["weight_load_opcodes_all_paths"].values()) + ")")
-    row("weight bytes in flight per SM", lambda r: _kb(lin(r)["weight_in_flight_per_thread"]
-                                                       * r["facts"]["threads_per_program"]
-                                                       * r["facts"]["occupancy"]["programs_per_sm"]))
-    row("dependent round trips before the first weight byte",
-        lambda r: f"1 atomic + {lin(r)['address_round_trips']} loads (claim -> row -> descriptor); "
-                  f"then {lin(r)['serial_round_trips_before']} in serial loops "
-                  f"({', '.join(lin(r)['serial_loops_before']) or 'none'}) and "
-                  f"{lin(r)['round_trips_in_iteration_before_weights']} in the iteration")
-    row("round trips per main-loop iteration", lambda r: lin(r)["round_trips_per_iteration"])
-    row("per task (1 wait): fences / L1 inval. / atomics / barriers", lambda r: _sync1(r["facts"]["task_loop"]))
-    row("+ a group's last task", lambda r: _sync0(r["facts"]["task_loop"]["per_group_completion"]))
-    for mode in ("decode", "prefill"):
-        row(f"{mode}: tasks, levels, tasks per level min/median/max",
-            lambda r, m=mode: _levels(rep["tables"][r["tiling"]]["modes"][m]))
-    row("decode weight bytes per level (min/median/max)",
-        lambda r: "/".join(_kb(v) for v in rep["tables"][r["tiling"]]["modes"]["decode"]
-                           ["weight_bytes_per_level_stats"].values()))
-    row("predicted µs per token (low/central/high)", lambda r: "/".join(f"{v:,.0f}" for v in r["prediction"]["us"].values()))
-    row("HBM floor µs (bytes per step / bandwidth)", lambda r: "/".join(f"{v:,.1f}" for v in
-                                                                        r["prediction"]["floor_us"].values()))
-    row("predicted / floor (central)", lambda r: f"{r['prediction']['us']['central'] / r['prediction']['floor_us']['central']:.1f}x")
-    return rows
-
-
-def _kb(b: float) -> str:
-    return f"{b / 1024:,.0f} KB" if b >= 10240 else f"{b / 1024:.1f} KB" if b >= 1024 else f"{b:.0f} B"
-
-
-def _sync0(c: dict[str, float]) -> str:
-    return f"{c['fences']:g} / {c['l1_invalidations']:g} / {c['atomics']:g} / {c['barriers']:g}"
-
-
-def _sync1(tl: dict[str, Any]) -> str:
-    a, w = tl["per_task"], tl["per_wait"]
-    return _sync0({k: a[k] + w[k] for k in a})
-
-
-def _levels(m: dict[str, Any]) -> str:
-    t = m["tasks_per_level"]
-    return f"{m['tasks']:,}, {m['levels']}, {t['min']}/{t['median']:g}/{t['max']}"
-
-
-def rich_tables(rep: dict[str, Any]) -> list[Any]:
-    """The report as rich renderables: the headline table, then per target its op bodies."""
-    from rich.table import Table
-    from rich.text import Text
-
-    out: list[Any] = []
-    t = Table(title=f"{rep['model']}: megakernel machine code (max_seq {rep['max_seq']}, decode context "
-                    f"{rep['context']}, {rep['weights']} weights)", title_justify="left")
-    t.add_column("fact")
-    for tg in rep["targets"]:
-        t.add_column(tg)
-    for name, vals in summary_rows(rep):
-        t.add_row(name, *(vals[tg] for tg in rep["targets"]))
-    out.append(t)
-    for tg, r in rep["targets"].items():
-        b = Table(title=f"{tg}: op bodies on the decode path (first task of each kind)", title_justify="left")
-        for c in ("body", "live regs", "main loop", "weight loads / it.", "in flight / thread", "RT / it.",
-                  "address RT", "serial RT", "mean task µs"):
-            b.add_column(c)
-        per_op = r["prediction"]["per_op"]
-        for name, bf in r["facts"]["bodies"].items():
-            d = bf["decode"]
-            b.add_row(name, str(bf["max_live_registers"] or "n/a"), d.get("main_loop", "-"),
-                      str(d.get("weight_loads_per_iteration", "-")), f"{d.get('weight_in_flight_per_thread', '-')}",
-                      str(d.get("round_trips_per_iteration", "-")), str(d.get("address_round_trips", "-")),
-                      str(d.get("serial_round_trips_before", "-")),
-                      str(per_op.get(bf["op"], {}).get("mean_task_us", "-")))
-        out.append(b)
-        out.append(Text(f"{tg} central terms (µs): " + ", ".join(f"{k} {v:,.1f}" for k, v in
-                                                                r["prediction"]["terms"].items())))
-    return out
-
-
-def render_text(rep: dict[str, Any]) -> str:
-    from rich.console import Console
-
-    con = Console(record=True, width=160, file=io.StringIO())
-    for item in rich_tables(rep):
-        con.print(item)
-    return con.export_text()
-
-
-def render_markdown(reports: list[dict[str, Any]], command: str = "") -> str:
-    cols = [(rep, tg) for rep in reports for tg in rep["targets"]]
-    head = "| fact | " + " | ".join(f"{rep['model']} {tg}" for rep, tg in cols) + " |"
-    lines = [head, "|---|" + "---|" * len(cols)]
-    rows: dict[str, dict[tuple[str, str], str]] = {}
-    order: list[str] = []
-    for rep in reports:
-        for name, vals in summary_rows(rep):
-            if name not in rows:
-                rows[name] = {}
-                order.append(name)
-            for tg, v in vals.items():
-                rows[name][(rep["model"], tg)] = v
-    for name in order:
-        lines.append(f"| {name} | " + " | ".join(rows[name].get((rep["model"], tg), "") for rep, tg in cols) + " |")
-    if command:
-        lines += ["", f"Produced by `{command}` (decode context {reports[0]['context'] if reports else '?'})."]
-    return "\n".join(lines)
-
+def _stats(v: list[float]) -> dict[str, float]:
+    return {"min": round(min(v, default=0.0), 1), "median": round(statistics.median(v or [0.0]), 1),
+            "max": round(max(v, default=0.0), 1)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,23 +73,58 @@ class KernelSource:
         e = self.fns[entry]
         self.task_loop = self._task_loop(e.node)
         self.task_index = self._task_index(self.task_loop)
-        # op code -> body function name, from `if op == N: body(...)` chains in the task loop
-        self.dispatch: dict[int, str] = {}
+        # op code -> its body functions, from the `if op == N:` arms of the task loop. A function
+        # called in an arm is a body unless some other function or arm calls it too: then it is
+        # task-loop machinery (v2's `_wait_deps`, called in several arms and by the Linear bodies).
+        # An arm may hold two bodies chosen by a constexpr (`if STEP == MODE_DECODE:`): one kernel
+        # compiles one of them.
+        arms: dict[int, list[str]] = {}
         self.dispatch_calls: dict[str, ast.Call] = {}
         for node in ast.walk(self.task_loop):  # type: ignore[assignment]  # (walk yields ast.AST)
-            if isinstance(node, ast.If):
-                code = _eq_constant(node.test)
+            if isinstance(node, ast.If) and (code := _eq_constant(node.test)) is not None:
                 for st in node.body:
                     for c in ast.walk(st):
                         if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in self.fns:
+                            arms.setdefault(code, []).append(c.func.id)
                             self.dispatch_calls.setdefault(c.func.id, c)
-                            if code is not None:
-                                self.dispatch.setdefault(code, c.func.id)
-        if not self.dispatch_calls:  # no `if op == N` chain: every function the loop calls is a body
+        if not arms:  # no `if op == N` chain: every function the loop calls is a body
             for c in ast.walk(self.task_loop):
                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in self.fns:
                     self.dispatch_calls.setdefault(c.func.id, c)
-        self.bodies = set(self.dispatch_calls)
+            arms = {-1: list(self.dispatch_calls)}
+        callers: dict[str, int] = {}
+        for name, f in self.fns.items():
+            if name == entry:
+                continue
+            for c in ast.walk(f.node):
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in self.fns:
+                    callers[c.func.id] = callers.get(c.func.id, 0) + 1
+        in_arms = Counter(fn for names in arms.values() for fn in set(names))
+        self.machinery = {fn for fn in in_arms if in_arms[fn] > 1 or callers.get(fn, 0) > 0}
+        self.dispatch: dict[int, tuple[str, ...]] = {
+            code: tuple(dict.fromkeys(fn for fn in names if fn not in self.machinery)) for code, names in arms.items()}
+        self.bodies = {fn for names in self.dispatch.values() for fn in names}
+        self.op_of = {fn: code for code, names in self.dispatch.items() for fn in names}
+        for fn in self.machinery:
+            self.dispatch_calls.pop(fn, None)
+        self.claim = self._claim()
+
+    def _claim(self) -> dict[str, Any]:
+        """How the task loop takes its next task from the work queue (`atomic_add(CNT + CNT_QUEUE,
+        1)` inside the loop): `overlapped` when the claim is issued before the op dispatch into a
+        name other than the task index (v2: `t_next`, consumed by the next iteration, so its round
+        trip hides under this task), else serial (v1: claimed after the signal, the next task's row
+        waits for it)."""
+        first_arm = min((c.lineno for c in self.dispatch_calls.values()), default=None)
+        for node in ast.walk(self.task_loop):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _is_tl(node.value.func, "atomic_add") \
+                    and node.value.args and any(isinstance(n, ast.Name) and n.id.endswith("QUEUE")
+                                                for n in ast.walk(node.value.args[0])):
+                tgt = node.targets[0].id if isinstance(node.targets[0], ast.Name) else None
+                before = first_arm is not None and node.lineno < first_arm
+                return {"line": node.lineno, "target": tgt,
+                        "overlapped": bool(before and tgt is not None and tgt != self.task_index)}
+        return {"line": None, "target": None, "overlapped": False}
 
     @staticmethod
     def _index(node: ast.FunctionDef) -> _Fn:
@@ -284,10 +320,12 @@ class Evaluator:
         self.grid = grid
         self.task = 0
         self._memo: dict[tuple[Any, ...], Any] = {}
+        self.scratch: dict[tuple[Any, ...], Any] = {}  # callers' per-task caches (path decisions)
 
     def set_task(self, index: int) -> None:
+        if index != self.task:
+            self._memo, self.scratch = {}, {}
         self.task = index
-        self._memo = {}
 
     # chain: ((fn, line), ...) outermost (the entry) first
     def value(self, expr: ast.expr, chain: Sequence[tuple[str, int]]) -> Any:

@@ -1,19 +1,22 @@
 """Facts of a bundle's task tables for the kernel statistics: tasks per step, dependency levels
-(longest path in the wait DAG) and tasks per level, and the weight bytes every task reads.
+(longest path in the wait DAG) and tasks per level, who each wait waits for, and the bytes every
+task reads from DRAM.
 
-Weight bytes come from the manifest's placement of W, found through the kernel source: the names a
-body adds to `W` in a `tl.load` address are evaluated for the task (`kernel_source.Evaluator` over
-the real TASKS/DI/DF), and a value that is the offset of a placed weight names that weight. A body
-whose W address also uses a loaded value (a token id) gathers one row per token; the other tasks
-that use a weight share its bytes evenly (the tiles of one matrix).
+Bytes come from the tables and the manifest's weight placement, never from the kernel source, so
+a change of the op bodies cannot silently turn them to 0: a Linear task reads rows [a, b) x K of
+its descriptor's W matrices (DI field 4, and field 5 when >= 0; K is field 2), the embedding T rows
+of its table (field 3, H = field 2; learned positions field 4 when >= 0); every offset must be a
+placed W weight of that row length, else the table and the manifest disagree (an error). The P
+arena's norm gains, biases and rotary rows are counted once per step (the tasks of one Linear share
+them through L2), the KV cache per attention task from its span of keys before this step's position
+(written by earlier steps: DRAM), shared by the heads of a KV group. The decode sum matches the
+manifest roofline's bytes (which prices the P vectors at the weight type).
 """
 
 from __future__ import annotations
 
-import ast
 import statistics
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,14 +31,20 @@ from zlc.bundle import (
     MAX_WAITS,
     MODE_DECODE,
     MODE_PREFILL,
+    OP_ATTENTION,
+    OP_CACHE_APPEND,
+    OP_EMBED,
+    OP_LINEAR,
     OP_NAMES,
     TASK_WORDS,
-    read_manifest,
 )
 
-from .kernel_source import UNKNOWN, Evaluator, KernelSource
+from .kernel_code import KernelStatsError
+from .kernel_source import Evaluator, KernelSource
 
-__all__ = ["TableFacts", "Tables", "levels_of", "table_facts"]
+__all__ = ["TableFacts", "Tables", "Traffic", "levels_of", "table_facts", "waits_of", "width_histogram"]
+
+_ITEM = {"bf16": 2, "fp16": 2, "f16": 2, "fp32": 4, "f32": 4}
 
 
 class Tables:
@@ -45,26 +54,31 @@ class Tables:
         from safetensors.numpy import load_file
 
         if tiling not in man["tilings"]:
-            raise ValueError(f"{bundle} has no {tiling} tiling (tilings: {', '.join(man['tilings'])})")
+            raise KernelStatsError(f"{bundle} has no {tiling} tiling (tilings: {', '.join(man['tilings'])})")
         t = load_file(str(Path(bundle) / man["tilings"][tiling]["tables"]))
         self.man, self.tiling, self.src = man, tiling, src
         self.tasks = t["tasks"].astype(np.int64)
         self.desc_int = t["desc_int"].astype(np.int64)
         self.desc_float = t["desc_float"]
+        self._rows: dict[int, list[dict[str, Any]]] = {}
 
     def rows(self, mode: int) -> list[dict[str, Any]]:
+        if mode in self._rows:
+            return self._rows[mode]
         n, base = int(self.tasks[2 * mode]), int(self.tasks[2 * mode + 1])
         out = []
         for i in range(n):
             r = self.tasks[HEADER_WORDS + base + i * TASK_WORDS:][:TASK_WORDS]
-            out.append({"op": int(r[0]), "desc": int(r[1]), "waits": [(int(r[6 + 2 * k]), int(r[7 + 2 * k]))
-                                                                     for k in range(int(r[5]))],
+            out.append({"op": int(r[0]), "desc": int(r[1]), "a": int(r[2]), "b": int(r[3]), "c": int(r[4]),
+                        "waits": [(int(r[6 + 2 * k]), int(r[7 + 2 * k])) for k in range(int(r[5]))],
                         "signal": int(r[6 + 2 * MAX_WAITS]), "parent": int(r[8 + 2 * MAX_WAITS])})
+        self._rows[mode] = out
         return out
 
-    def evaluator(self, mode: int, context: int) -> Evaluator:
+    def evaluator(self, mode: int, context: int, step: int | None = None) -> Evaluator:
         """Reads the tables and the control block of one step of `mode` (decode: T=1 at `context`
-        tokens of cache; prefill: a full chunk)."""
+        tokens of cache; prefill: a full chunk). `step` binds the kernel's STEP constexpr (which
+        kernel: the launch's mode)."""
         tl = self.man["tilings"][self.tiling]
         layout = tl.get("layout", {})
         ctrl = np.zeros(int(layout.get("ctrl_size", 64)), dtype=np.int64)
@@ -72,71 +86,97 @@ class Tables:
         ctrl[CTRL_T] = 1 if mode == MODE_DECODE else int(layout.get("chunk", 1))
         ctrl[CTRL_PAST] = context if mode == MODE_DECODE else 0
         mem = {"TASKS": self.tasks, "DI": self.desc_int.reshape(-1), "DF": self.desc_float.reshape(-1), "CTRL": ctrl}
-        return Evaluator(self.src, mem, tl.get("constexprs", {}), int(tl.get("grid", 1)))
+        constexprs = dict(tl.get("constexprs", {}))
+        constexprs["STEP"] = mode if step is None else step
+        return Evaluator(self.src, mem, constexprs, int(tl.get("grid", 1)))
 
-    def sampler(self, mode: int = MODE_DECODE, context: int = 1) -> Callable[[int], tuple[Evaluator, int] | None]:
-        """op code -> (an evaluator set to the first task of that op kind, its index)."""
-        first: dict[int, int] = {}
+    def traffic(self, mode: int, context: int) -> Traffic:
+        """Bytes every task of one step reads from DRAM (see the module docstring). Decode: one row
+        at `context` tokens of cache; prefill: a full chunk, no cache before it."""
+        man = self.man
+        place = {int(p["offset"]): p for p in man["weights"]["placement"] if p["arena"] == "W"}
+        w_item = _ITEM.get(str(man["dtype"]["weights"]), 2)
+        kv_item = _ITEM.get(str(man["kernel"].get("signature", {}).get("A", "*fp32")).lstrip("*"), 4)
+        layout = man["tilings"][self.tiling].get("layout", {})
+        rows_t = 1 if mode == MODE_DECODE else int(layout.get("chunk", 1))
+        past = context if mode == MODE_DECODE else 0
+        di = self.desc_int
+        weights, kv = [], []
+        p_ranges: list[tuple[int, int]] = []
+
+        def matrix(off: int, lo: int, hi: int, k: int, where: str) -> int:
+            """Bytes of rows [lo, hi) x k of the W matrix placed at `off` (checked against its shape)."""
+            p = place.get(off)
+            if p is None:
+                raise KernelStatsError(f"{where}: W offset {off} is no placed weight (the tables and the manifest's "
+                                       "weight placement disagree)")
+            shape = [int(x) for x in p["shape"]]
+            if len(shape) != 2 or shape[1] != k or not 0 <= lo <= hi <= shape[0]:
+                raise KernelStatsError(f"{where}: reads rows [{lo}, {hi}) x {k} of '{p['value']}' {shape}")
+            return (hi - lo) * k * w_item
+
         for i, r in enumerate(self.rows(mode)):
-            first.setdefault(r["op"], i)
-
-        def get(op: int) -> tuple[Evaluator, int] | None:
-            if op not in first:
-                return None
-            ev = self.evaluator(mode, context)
-            ev.set_task(first[op])
-            return ev, first[op]
-
-        return get
-
-    def _loaded(self, fn: str, name: str) -> bool:
-        """`name` in `fn` is assigned from an expression holding a `tl.load` (data, e.g. a token id)."""
-        key = ("loaded", fn, name)
-        if key not in self.src.cache:
-            self.src.cache[key] = any(
-                isinstance(st, ast.Assign) and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
-                                                   and c.func.attr == "load" for c in ast.walk(st.value))
-                for st in self.src.fns[fn].assigns.get(name, []))
-        return bool(self.src.cache[key])
-
-    def weight_bytes(self, mode: int) -> list[int]:
-        """Bytes of W each task of `mode` reads (see the module docstring)."""
-        src, man = self.src, self.man
-        place = {p["offset"]: p for p in man["weights"]["placement"] if p["arena"] == "W"}
-        item = 2 if man["dtype"]["weights"] in ("bf16", "fp16") else 4
-        ev = self.evaluator(mode, context=1)
-        loads = {b: src.pointer_loads(b, "W") for b in src.bodies}
-        call_line = {b: c.lineno for b, c in src.dispatch_calls.items()}
-        uses: list[list[tuple[int, bool]]] = []
-        for i, r in enumerate(self.rows(mode)):
-            ev.set_task(i)
-            body = src.dispatch.get(r["op"])
-            found: list[tuple[int, bool]] = []
-            for ld in loads.get(body, []) if body is not None else []:
-                assert body is not None
-                chain = ((src.entry, call_line[body]), (body, ld.lineno))
-                if ev.executes(ld, chain) is False:
-                    continue
-                gather, offs = False, []
-                for nm in sorted({x.id for x in ast.walk(ld.args[0]) if isinstance(x, ast.Name)} - {"W"}):
-                    v = ev.value(ast.Name(nm, ast.Load()), chain)
-                    if isinstance(v, (int, np.integer)) and int(v) in place:
-                        offs.append(int(v))
-                    elif v is UNKNOWN and self._loaded(body, nm):
-                        gather = True
-                found += [(o, gather) for o in offs]
-            uses.append(list(dict.fromkeys(found)))
-        sharers = Counter(o for u in uses for o, g in u if not g)
-        out = []
-        for u in uses:
-            b = 0
-            for o, g in u:
-                shape = place[o]["shape"]
-                b += int(shape[-1]) * item if g else int(np.prod(shape)) * item // max(sharers[o], 1)
-            out.append(b)
-        return out
+            d = di[r["desc"]]
+            where = f"{self.tiling} {OP_NAMES[r['op']] if r['op'] < len(OP_NAMES) else r['op']} task {i}"
+            w = k = 0
+            if r["op"] == OP_LINEAR:
+                kk, lo, hi = int(d[2]), r["a"], r["b"]
+                w = matrix(int(d[4]), lo, hi, kk, where)
+                if int(d[5]) >= 0:
+                    w += matrix(int(d[5]), lo, hi, kk, where)
+                if int(d[10]) in (1, 2):
+                    p_ranges.append((int(d[11]), int(d[11]) + kk))
+                    if int(d[10]) == 2 and int(d[12]) >= 0:
+                        p_ranges.append((int(d[12]), int(d[12]) + kk))
+                if int(d[6]) >= 0:
+                    p_ranges.append((int(d[6]) + lo, int(d[6]) + hi))
+            elif r["op"] == OP_EMBED:
+                h = int(d[2])
+                w = matrix(int(d[3]), 0, 1, h, where) * rows_t  # one row per token (which: the step's data)
+                if int(d[4]) >= 0:
+                    w += matrix(int(d[4]), past, past + rows_t, h, where)
+            elif r["op"] in (OP_ATTENTION, OP_CACHE_APPEND):
+                if int(d[7]) != 0 and int(d[10]) > 0:  # rotary rows of this step's positions
+                    half = int(d[10])
+                    for tab in (int(d[8]), int(d[9])):
+                        p_ranges.append((tab + past * half, tab + (past + rows_t) * half))
+                if r["op"] == OP_ATTENTION and past > 0:
+                    dim, group, split_len = int(d[6]), max(1, int(d[13])), int(d[15])
+                    lo = r["c"] * split_len if split_len > 0 else 0
+                    hi = min(past, lo + split_len) if split_len > 0 else past
+                    k = max(0, hi - lo) * dim * kv_item * 2 // group
+            weights.append(w)
+            kv.append(k)
+        p_elems = _union_length(p_ranges)
+        return Traffic(weights, kv, p_elems * 4, p_elems * w_item)
 
 
+@dataclass
+class Traffic:
+    """DRAM bytes of one step: per task W bytes and KV bytes; the P arena's vectors once (as the
+    kernel reads them, f32; and priced at the weight type, as the manifest's roofline does)."""
+
+    weights: list[int]
+    kv: list[int]
+    p_bytes: int
+    p_bytes_roofline: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights) + sum(self.kv) + self.p_bytes
+
+
+def _union_length(ranges: list[tuple[int, int]]) -> int:
+    """Elements covered by half-open ranges (each P vector counted once however many tasks read it)."""
+    out, end = 0, None
+    for lo, hi in sorted(ranges):
+        if end is None or lo > end:
+            out += hi - lo
+            end = hi
+        elif hi > end:
+            out += hi - end
+            end = hi
+    return out
 
 
 def levels_of(rows: list[dict[str, Any]]) -> list[int]:
@@ -155,48 +195,65 @@ def levels_of(rows: list[dict[str, Any]]) -> list[int]:
     return lv
 
 
+def waits_of(rows: list[dict[str, Any]]) -> list[list[list[int]]]:
+    """Per task, per wait: the tasks whose finish it waits for (an event's signallers; a parent
+    event's: every task of the groups that bump it)."""
+    sig: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if r["signal"] >= 0:
+            sig.setdefault(r["signal"], []).append(i)
+        if r["parent"] >= 0:
+            sig.setdefault(r["parent"], []).append(i)
+    return [[[j for j in sig.get(e, ()) if j < i] for e, _ in r["waits"]] for i, r in enumerate(rows)]
+
+
 @dataclass
 class TableFacts:
     tiling: str
     modes: dict[str, dict[str, Any]]  # mode -> tasks, levels, tasks per level, bytes
     ops: dict[str, list[int]]  # mode -> op code per task
     levels: dict[str, list[int]]
-    weight_bytes: dict[str, list[int]]
+    traffic: dict[str, Traffic]  # decode at the report's context, prefill: one chunk
     tables: Tables
+    context: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tiling": self.tiling, "modes": self.modes}
+        return {"tiling": self.tiling, "context": self.context, "modes": self.modes}
 
 
-def table_facts(bundle: Path, tiling: str, src: KernelSource, man: dict[str, Any] | None = None) -> TableFacts:
-    """Tasks, levels and weight bytes per task and per level of one tiling's decode and prefill."""
-    man = man or read_manifest(Path(bundle))
+def table_facts(bundle: Path, tiling: str, src: KernelSource, man: dict[str, Any], context: int) -> TableFacts:
+    """Tasks, levels and DRAM bytes per task and per level of one tiling's decode (at `context`
+    tokens of cache) and prefill (one chunk)."""
     tabs = Tables(Path(bundle), man, tiling, src)
-    modes, ops, lvls, wbytes = {}, {}, {}, {}
+    modes, ops, lvls, traffic = {}, {}, {}, {}
+    layers = int(man["model"].get("layers") or 0) or None
     for mode, code in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL)):
         rows = tabs.rows(code)
         lv = levels_of(rows)
-        wb = tabs.weight_bytes(code)
+        tr = tabs.traffic(code, context)
         per = Counter(lv)
         counts = [per[k] for k in sorted(per)]
         by_level = [0] * (max(lv, default=0) + 1)
-        for b, k in zip(wb, lv, strict=True):
+        for b, k in zip(tr.weights, lv, strict=True):
             by_level[k] += b
         modes[mode] = {
             "tasks": len(rows), "levels": len(counts),
+            "levels_per_layer": round(len(counts) / layers, 2) if layers else None,
             "tasks_per_level": {"min": min(counts, default=0), "median": statistics.median(counts or [0]),
                                 "max": max(counts, default=0)},
-            "levels_by_width": _width_histogram(counts, int(man["tilings"][tiling].get("grid", 1))),
+            "tasks_per_level_all": counts,
             "tasks_by_op": dict(Counter(OP_NAMES[r["op"]] if r["op"] < len(OP_NAMES) else str(r["op"]) for r in rows)),
-            "weight_bytes": sum(wb), "weight_bytes_per_level": by_level[1:],
+            "weight_bytes": sum(tr.weights), "kv_bytes": sum(tr.kv), "p_bytes": tr.p_bytes,
+            "p_bytes_at_weight_type": tr.p_bytes_roofline,
+            "weight_bytes_per_level": by_level[1:],
             "weight_bytes_per_level_stats": {"min": min(by_level[1:], default=0),
                                              "median": statistics.median(by_level[1:] or [0]),
                                              "max": max(by_level[1:], default=0)}}
-        ops[mode], lvls[mode], wbytes[mode] = [r["op"] for r in rows], lv, wb
-    return TableFacts(tiling, modes, ops, lvls, wbytes, tabs)
+        ops[mode], lvls[mode], traffic[mode] = [r["op"] for r in rows], lv, tr
+    return TableFacts(tiling, modes, ops, lvls, traffic, tabs, context)
 
 
-def _width_histogram(counts: list[int], grid: int) -> dict[str, int]:
+def width_histogram(counts: list[int], grid: int) -> dict[str, int]:
     """Levels by how many tasks they hold, against the grid (a level under `grid` leaves SMs idle)."""
     edges = [(1, 1), (2, 8), (9, max(9, grid // 4)), (max(10, grid // 4 + 1), max(10, grid - 1)), (grid, 1 << 30)]
     return {(f"{a}" if a == b else f">={a}" if b >= 1 << 30 else f"{a}-{b}"): sum(a <= c <= b for c in counts)

@@ -10,6 +10,10 @@ The dataflow is deliberately simple and stated: registers only (no memory), join
 predicated definitions do not kill, calls to internal subroutines (64-bit division) define what
 the subroutine writes from what it reads. Widths: `.64`/`.WIDE` pairs, `.128` quads, MMA operands
 by fragment size.
+
+Why one module: the instruction model (operands, guards, widths), the CFG built over it and the
+dataflow helpers (forward analysis, post-dominators, guarded register state) change together
+whenever ptxas emits a new form; split apart, each half would import the other's internals.
 """
 
 from __future__ import annotations
@@ -471,6 +475,62 @@ class Cfg:
                     work += self.blocks[u].preds
             loops.append(Loop(h, frozenset(body), edges))
         return sorted(loops, key=lambda lp: len(lp.blocks))
+
+    def ipdom(self) -> list[int | None]:
+        """Immediate post-dominator of every block (None: only the exit), by Cooper, Harvey and
+        Kennedy's iteration over the reversed graph; blocks without successors lead to the exit."""
+        if hasattr(self, "_ipdom"):
+            return self._ipdom
+        n = len(self.blocks)
+        exit_ = n
+        succs = [blk.succs or [exit_] for blk in self.blocks]
+        preds_rev: list[list[int]] = [[] for _ in range(n + 1)]  # reversed graph: successors become preds
+        for b, ss in enumerate(succs):
+            for s in ss:
+                preds_rev[b].append(s)
+        # reverse postorder of the reversed graph from the exit
+        rev_succ: list[list[int]] = [[] for _ in range(n + 1)]
+        for b, ss in enumerate(succs):
+            for s in ss:
+                rev_succ[s].append(b)
+        order: list[int] = []
+        seen = {exit_}
+        stack = [(exit_, iter(rev_succ[exit_]))]
+        while stack:
+            b, it = stack[-1]
+            nxt = next((x for x in it if x not in seen), None)
+            if nxt is None:
+                order.append(b)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(rev_succ[nxt])))
+        order.reverse()
+        num = {b: i for i, b in enumerate(order)}
+        idom: dict[int, int] = {exit_: exit_}
+
+        def meet(a: int, b: int) -> int:
+            while a != b:
+                while num[a] > num[b]:
+                    a = idom[a]
+                while num[b] > num[a]:
+                    b = idom[b]
+            return a
+
+        changed = True
+        while changed:
+            changed = False
+            for b in order[1:]:
+                done = [p for p in preds_rev[b] if p in idom]
+                if not done:
+                    continue
+                new = done[0]
+                for p in done[1:]:
+                    new = meet(p, new)
+                if idom.get(b) != new:
+                    idom[b], changed = new, True
+        self._ipdom: list[int | None] = [None if idom.get(b, exit_) == exit_ else idom[b] for b in range(n)]
+        return self._ipdom
 
     def innermost_loop(self, index: int) -> Loop | None:
         b = self.block_of.get(index)

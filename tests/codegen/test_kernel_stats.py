@@ -1,7 +1,9 @@
 """The kernel statistics tool (`zlc inspect BUNDLE --kernel`): the SASS parser on a hand-written
-snippet, golden facts of the tiny model's real sm_86 and sm_90 cubins (registers, weight-load
-width, in-flight bytes, round trips, fences / L1 invalidations / atomics per task, levels), the
-level computation on a hand-checkable table, and the latency model's monotonic properties."""
+snippet and against cuobjdump's own numbers, golden facts of the tiny model's real v2 sm_86 and
+sm_90 cubins (both kernels: registers, 128-bit weight loads, weights requested before the wait,
+bytes in flight, fences / L1 invalidations per task, levels, bytes), a masked-fallback model (odd
+K) reported as such, the level computation on a hand-checkable table, and the event simulation's
+monotonic properties."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlc.codegen.kernel_code import SyncCounts, simulate
-from zlc.codegen.kernel_model import LoopCost, TaskCost, bundle_report, params_for, step_time, task_time
+from zlc.codegen.kernel_code import simulate
+from zlc.codegen.kernel_model import CASES, params_for, sim_params
+from zlc.codegen.kernel_report import bundle_report
+from zlc.codegen.kernel_sim import SimParams, TaskShape
+from zlc.codegen.kernel_sim import simulate as simulate_step
 from zlc.codegen.kernel_stats import occupancy
 from zlc.codegen.kernel_tables import levels_of
 from zlc.codegen.sass import Cfg, find_tool, load_width, parse_sass
@@ -26,11 +32,13 @@ from zlc.codegen.sass import Cfg, find_tool, load_width, parse_sass
 pytest.importorskip("triton")
 
 TARGETS = ("a10", "h200")
+WIDE = "LDG.E.128"
 
 
 @pytest.fixture(scope="module")
 def bundle(tiny_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama compiled for a10 (sm_86) and h200 (sm_90): real ptxas cubins."""
+    """The tiny Llama (hidden 64, mlp 128: every K specialized) compiled for a10 (sm_86) and h200
+    (sm_90): real ptxas cubins, a decode and a prefill kernel each."""
     # the module's function, not `zlc.compile`: that lazy attribute would shadow the zlc.compile
     from zlc.build import compile as compile_bundle
 
@@ -44,8 +52,12 @@ def report(bundle: Path) -> dict[str, Any]:
     return bundle_report(bundle, context=64)
 
 
-def _linear(rep: dict[str, Any], target: str) -> dict[str, Any]:
-    return next(b for b in rep["targets"][target]["facts"]["bodies"].values() if b["op"] == "linear")
+def _matvec(rep: dict[str, Any], target: str) -> list[dict[str, Any]]:
+    return [c for c in rep["targets"][target]["prediction"]["classes"] if c["op"] == "linear"]
+
+
+def _check(rep: dict[str, Any], target: str, prefix: str) -> dict[str, Any]:
+    return next(c for c in rep["targets"][target]["checks"] if c["target"].startswith(prefix))
 
 
 # ---- the parser on a hand-written snippet ------------------------------------------------------
@@ -93,7 +105,7 @@ def test_parser_reads_registers_predicates_widths_and_frames() -> None:
     assert load_width("LDG.E.LTC128B.128") == 16 and load_width("LDG.E.STRONG.GPU") == 4
 
 
-def test_cfg_loops_and_a_call_that_is_a_branch() -> None:
+def test_cfg_loops_post_dominators_and_a_call_that_is_a_branch() -> None:
     s = parse_sass(SNIPPET)
     cfg = Cfg(s)
     assert len(cfg.loops) == 1
@@ -101,6 +113,11 @@ def test_cfg_loops_and_a_call_that_is_a_branch() -> None:
     assert [hex(s.instrs[n].addr) for n in loop.instr_indices(cfg)] == [hex(a) for a in range(0x20, 0xa0, 0x10)]
     call = s.instrs[11]
     assert call.is_branch and not call.is_call and s.subroutines() == []  # CALL.REL.NOINC to a label: a jump
+    # the loop's exit block post-dominates the loop head; the last block leads to the exit only
+    ipdom = cfg.ipdom()
+    head = cfg.block_of[2]
+    after = cfg.block_of[10]
+    assert ipdom[head] == after and ipdom[len(cfg.blocks) - 1] is None
 
 
 def test_simulate_counts_bytes_in_flight_and_dependent_round_trips() -> None:
@@ -136,58 +153,102 @@ def test_occupancy_from_registers_and_threads() -> None:
 
 # ---- golden facts of the tiny model's real cubins --------------------------------------------
 
+def _cuobjdump(*args: str) -> str:
+    return subprocess.run([find_tool("cuobjdump"), *args], capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.parametrize("target", TARGETS)
-def test_registers_equal_cuobjdump_and_the_manifest(bundle: Path, report: dict[str, Any], target: str) -> None:
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_registers_and_opcodes_equal_cuobjdump(bundle: Path, report: dict[str, Any], target: str, kernel: str) -> None:
+    """Both kernels: registers as cuobjdump and the manifest say, and the parsed instruction
+    stream (nvdisasm with line info) as cuobjdump's own disassembly: as many instructions, and
+    every global load, atomic, fence, L1 invalidation, barrier and MMA opcode as often."""
     man = json.loads((bundle / "manifest.json").read_text())
-    out = subprocess.run([find_tool("cuobjdump"), "--dump-resource-usage", str(bundle / man["targets"][target]["cubin"])],
-                         capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", out).group(1))  # type: ignore[union-attr]
-    facts = report["targets"][target]["facts"]
-    assert facts["registers"] == regs == man["targets"][target]["resources"]["registers"]
-    assert facts["threads_per_program"] == 256 and facts["occupancy"]["programs_per_sm"] == 1
+    info = man["targets"][target] if kernel == "decode" else man["targets"][target]["prefill"]
+    facts = report["targets"][target][f"{kernel}_kernel"]
+    assert facts["cubin"] == info["cubin"]
+    cubin = bundle / facts["cubin"]
+    regs = int(re.search(r"REG:(\d+)", _cuobjdump("--dump-resource-usage", str(cubin))).group(1))  # type: ignore[union-attr]
+    assert facts["registers"] == regs == info["resources"]["registers"]
+    assert facts["spill_bytes"] == 0 and facts["threads_per_program"] == 256 and facts["programs_per_sm"] == 1
+    theirs = Counter(m.group(2) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
+                                                      _cuobjdump("-sass", str(cubin))))
+    assert facts["instructions"] == sum(theirs.values())
+    ours = facts["memory_and_sync_opcodes"]
+    assert ours == {k: theirs[k] for k in ours}
+    assert {k for k in theirs if k.startswith(("LDG", "ATOMG", "MEMBAR", "CCTL", "BAR."))} <= set(ours)
+    wl = facts["weight_load_opcodes"]
+    assert all(0 < v <= theirs[k] for k, v in wl.items())
+    if kernel == "decode":  # the specialized bodies' 128-bit weight loads (the rest: activations, norm gains)
+        assert 0 < wl[WIDE] <= theirs[WIDE]
+    else:  # the prefill kernel feeds tl.dot tiles: tensor-core instructions, no 128-bit weight loads
+        assert WIDE not in wl and any("MMA" in k and not k.startswith("HFMA2") for k in ours)
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_weights_load_two_bytes_at_a_time_today(bundle: Path, report: dict[str, Any], target: str) -> None:
-    lin = _linear(report, target)
-    assert set(lin["weight_loads"]) == {"LDG.E.U16"}  # the bf16 path: one element per load
-    src = (bundle / "kernel.py").read_text().split("\n")
-    assert lin["weight_load_lines"] and all("tl.load(W +" in src[n - 1] for n in lin["weight_load_lines"])
-    d = lin["decode"]
-    assert d["weight_loads_per_iteration"] == 8 and d["weight_in_flight_per_thread"] == 16
-    in_flight_per_sm = d["weight_in_flight_per_thread"] * report["targets"][target]["facts"]["threads_per_program"]
-    assert in_flight_per_sm == 4096  # the issue's 4 KB
-    # claim atomic -> task row -> descriptor -> weight; then x (.cg) -> norm weight -> weight
-    assert d["address_round_trips"] == 2 and d["round_trips_per_iteration"] == 3
-    assert d["round_trips_in_iteration_before_weights"] == 2 and d["serial_loops_before"] == [
-        f"_row_stats:{_line_of(src, 'if norm != 0:') + 1} x1"]
+def test_matrix_vector_reads_weights_wide_and_before_the_wait(bundle: Path, report: dict[str, Any],
+                                                              target: str) -> None:
+    """Every Linear task takes a specialized body (K 64 and 128; RMS-normed, gated or plain), reads
+    its weights with LDG.E.128 only, and requests its whole weight slice before it polls."""
+    mv = _matvec(report, target)
+    src = (bundle / "kernel.py").read_text()
+    variants = {v for c in mv for v in c["variants"]}
+    assert variants == {"_gemv_k64_rms", "_gemv_k64_rms_gated", "_gemv_k64", "_gemv_k128"}
+    assert all(f"def {v}(" in src for v in variants)
+    tables = json.loads((bundle / "tables" / "gpu.json").read_text())["tables"]["decode"]
+    assert sum(c["tasks"] for c in mv) == sum(t["op"] == 1 for t in tables)
+    for c in mv:
+        p = c["path"]
+        assert set(c["weight_opcodes"]) == {WIDE}, c
+        # 16 bytes per thread per matrix (a gated body streams two), x 256 threads: the slice
+        assert c["weight_opcodes"][WIDE] == (2 if "gated" in c["variants"][0] or "k128" in c["variants"][0] else 1)
+        assert c["in_flight_bytes"] == c["prefetch_bytes"] == c["weight_bytes"] == c["weight_opcodes"][WIDE] * 16 * 256
+        assert p["waits_in_body"] and p["polls"] == 1 and p["prefetch_per_thread"] > 0
+        assert p["pre_rt"] < p["poll_rt"]  # the weights leave before the poll does
+        # claim index (atomic, not counted) -> task row -> descriptor -> weight address
+        assert p["first_weight_rt"] == 2
+        assert p["sync"]["fences"] == 1 and p["sync"]["l1_invalidations"] == 0
+    lin = report["targets"][target]["decode_kernel"]["bodies"]["op_linear"]
+    lines = src.split("\n")
+    # the source lines of those loads read W, directly (the generic body) or through a row base
+    assert lin["weight_load_lines"] and all(re.search(r"tl\.load\((W|wbase|vbase) ", lines[n - 1])
+                                            for n in lin["weight_load_lines"])
+    assert re.search(r"wbase = W \+", src) and re.search(r"vbase = W \+", src)
+    assert report["targets"][target]["decode_kernel"]["claim_overlapped"]  # the next task claimed early
 
 
-def _line_of(src: list[str], text: str) -> int:
-    return next(i + 1 for i, ln in enumerate(src) if ln.strip() == text)
+@pytest.mark.parametrize("target", TARGETS)
+def test_sync_per_task_and_at_launch(report: dict[str, Any], target: str) -> None:
+    """One fence (the release) and no whole-L1 invalidation on any task's path; the kernel's one
+    CCTL.IVALL runs at launch."""
+    classes = report["targets"][target]["prediction"]["classes"]
+    assert max(c["path"]["sync"]["fences"] for c in classes) == 1
+    assert all(c["path"]["sync"]["l1_invalidations"] == 0 for c in classes)
+    dec = report["targets"][target]["decode_kernel"]
+    assert dec["per_launch"]["l1_invalidations"] == 1
+    assert dec["ctrl_loads"]["launch"] > 0 and set(dec["ctrl_loads"]) <= {"launch", "op_embed"}
+    for prefix in ("weights read with 128-bit", "weights requested before", "<= 1 fence", "no spills",
+                   "prefill keeps tensor-core", "mapped CTRL"):
+        assert _check(report, target, prefix)["met"], prefix
+    assert not _check(report, target, "<= 4 dependency levels")["met"]  # 13 levels for 2 layers
 
 
-@pytest.mark.parametrize("target,fences", [("a10", 3), ("h200", 2)])
-def test_fences_invalidations_and_atomics_per_task(report: dict[str, Any], target: str, fences: int) -> None:
-    tl = report["targets"][target]["facts"]["task_loop"]
-    one_wait = {k: tl["per_task"][k] + tl["per_wait"][k] for k in tl["per_task"]}
-    # release signal and the next claim: a MEMBAR + atomic each; the acquire poll: CCTL.IVALL (and on
-    # sm_86 a MEMBAR); every atomic result is broadcast with a BAR.SYNC
-    assert one_wait["fences"] == fences and one_wait["l1_invalidations"] == 3 and one_wait["atomics"] == 2
-    assert tl["per_group_completion"]["atomics"] == 1 and tl["per_group_completion"]["fences"] == 1
-
-
-def test_tables_levels_tasks_and_weight_bytes(bundle: Path, report: dict[str, Any]) -> None:
+def test_tables_levels_tasks_and_bytes(bundle: Path, report: dict[str, Any]) -> None:
     dec = report["tables"]["gpu"]["modes"]["decode"]
     readable = json.loads((bundle / "tables" / "gpu.json").read_text())["tables"]["decode"]
-    assert dec["tasks"] == len(readable)
-    assert dec["levels"] == _longest_path(readable)  # an independent longest path over the JSON tables
+    assert dec["tasks"] == len(readable) == 42
+    assert dec["levels"] == _longest_path(readable) == 13  # 5 per layer + embed, final norm/head, argmax
+    assert dec["levels_per_layer"] == 6.5
     assert dec["tasks_by_op"]["linear"] == sum(t["op"] == 1 for t in readable)
     man = json.loads((bundle / "manifest.json").read_text())
     place = [p for p in man["weights"]["placement"] if p["arena"] == "W"]
     embed = next(p for p in place if "embed" in p["value"])
     expected = sum(p["shape"][0] * p["shape"][1] * 2 for p in place) - (embed["shape"][0] - 1) * embed["shape"][1] * 2
     assert dec["weight_bytes"] == expected  # untied head: every matrix once, one embedding row
+    pred = report["targets"]["h200"]["prediction"]
+    assert pred["bytes_per_step"] == dec["weight_bytes"] + dec["kv_bytes"] + dec["p_bytes"]
+    # the KV cache at 64 tokens: layers x kv heads x 64 x head dim x (k, v) x f32
+    assert dec["kv_bytes"] == 2 * 2 * 64 * 16 * 2 * 4
 
 
 def _longest_path(tasks: list[dict[str, Any]]) -> int:
@@ -203,23 +264,72 @@ def _longest_path(tasks: list[dict[str, Any]]) -> int:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_prediction_is_ordered_and_above_the_floor(report: dict[str, Any], target: str) -> None:
+def test_prediction_is_ordered_above_the_floor_and_explained(report: dict[str, Any], target: str) -> None:
     p = report["targets"][target]["prediction"]
     assert p["us"]["low"] <= p["us"]["central"] <= p["us"]["high"]
     assert p["floor_us"]["low"] <= p["floor_us"]["central"] <= p["floor_us"]["high"]
     assert p["us"]["low"] > p["floor_us"]["high"]
+    lp = params_for(target, "central")
+    assert p["floor_us"]["central"] == round(p["bytes_per_step"] / (lp.hbm_gbs * 1e3), 2)
+    crit = p["critical"]
+    assert crit["levels"] == crit["length"] == 13  # one task per level on the critical path
+    assert abs(sum(crit["us"].values()) - p["us"]["central"]) < 0.5
+    assert p["unpriced_tasks"] == 0
+    floor = _check(report, target, "predicted decode")
+    assert not floor["met"] and "13 levels" in floor["stopped_by"]
 
 
-def test_cli_kernel_report_and_json(bundle: Path) -> None:
+@pytest.fixture(scope="module")
+def masked_bundle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A Llama whose row lengths split into no 32-column chunks (hidden 48, mlp 80): no specialized
+    body, the masked generic one, for h200 only."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from zlc.build import compile as compile_bundle
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64,
+                                   attn_implementation="eager", use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(1))
+    out = tmp_path_factory.mktemp("kstats-masked") / "odd.zlc"
+    compile_bundle(model, example_inputs=(ids,), targets=["h200"], out=out, max_seq=32, verify=False)
+    assert "def _gemv_k" not in (out / "kernel.py").read_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def masked(masked_bundle: Path) -> dict[str, Any]:
+    return bundle_report(masked_bundle)
+
+
+def test_masked_fallback_is_reported(masked: dict[str, Any]) -> None:
+    mv = _matvec(masked, "h200")
+    assert mv and all(c["variants"] == [] for c in mv)  # the generic body: no specialized variant
+    assert {k for c in mv for k in c["weight_opcodes"]} == {"LDG.E.U16"}  # masked: one element per load
+    # it waits, then streams: nothing requested before the poll
+    assert all(c["prefetch_bytes"] == 0 and c["path"]["pre_rt"] is None and c["path"]["polls"] == 1 for c in mv)
+    wide = _check(masked, "h200", "weights read with 128-bit")
+    assert not wide["met"] and "LDG.E.U16" in wide["stopped_by"] and "masked fallback" in wide["stopped_by"]
+    assert not _check(masked, "h200", "weights requested before")["met"]
+    p = masked["targets"]["h200"]["prediction"]
+    assert p["us"]["low"] <= p["us"]["central"] <= p["us"]["high"] and p["us"]["low"] > p["floor_us"]["high"]
+
+
+def test_cli_kernel_report_and_json(masked_bundle: Path) -> None:
     from zlc.cli import cli
 
-    res = CliRunner().invoke(cli, ["inspect", str(bundle), "--kernel", "--target", "h200"])
+    res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel"])
     assert res.exit_code == 0, res.output
-    assert "LDG.E.U16" in res.output and "predicted" in res.output
-    res = CliRunner().invoke(cli, ["inspect", str(bundle), "--kernel", "--json"])
+    assert "LDG.E.U16" in res.output and "predicted" in res.output and "issue-12 targets" in res.output
+    assert "masked fallback" in res.output
+    res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel", "--json", "--target", "h200"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
-    assert set(rep["targets"]) == set(TARGETS)
+    assert set(rep["targets"]) == {"h200"} and rep["format_version"] == 2
+    res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel", "--target", "a10"])
+    assert res.exit_code != 0 and "no cubin for a10" in res.output
 
 
 def test_cpu_only_bundle_gives_one_clear_line(bundle: Path, tmp_path: Path) -> None:
@@ -227,7 +337,7 @@ def test_cpu_only_bundle_gives_one_clear_line(bundle: Path, tmp_path: Path) -> N
     from zlc.cli import cli
 
     cpu = tmp_path / "cpu.zlc"
-    shutil.copytree(bundle, cpu)
+    shutil.copytree(bundle, cpu, ignore=shutil.ignore_patterns("*.safetensors", "native", "kernels"))
     man = read_manifest(cpu)
     man["targets"] = {k: v for k, v in man["targets"].items() if "cubin" not in v}
     write_manifest(cpu, man)
@@ -237,54 +347,55 @@ def test_cpu_only_bundle_gives_one_clear_line(bundle: Path, tmp_path: Path) -> N
     assert len(lines) == 1 and "no GPU target" in lines[0]
 
 
-# ---- the latency model's properties ----------------------------------------------------------
+# ---- the event simulation's properties -------------------------------------------------------
+# Monotone while every program runs at most one task (grid >= tasks) and HBM is never
+# oversubscribed (kernel_sim's docstring); both hold here by construction.
 
-def _task(level: int, in_flight: float, nbytes: float, trips: int, chain: int = 2) -> TaskCost:
-    loop = LoopCost(trips=trips, round_trips=3, before_weights=2, weight=True, kv=False, nbytes=nbytes,
-                    in_flight=in_flight)
-    return TaskCost(op=1, level=level, sync=SyncCounts(2, 3, 2, 5), chain=chain, loops=[loop], nbytes=nbytes)
-
-
-tasks_st = st.lists(st.tuples(st.integers(1, 6), st.floats(256, 65536), st.floats(1024, 1 << 22), st.integers(1, 64)),
-                    min_size=1, max_size=40)
-
-
-@settings(max_examples=60, deadline=None)
-@given(tasks_st, st.floats(1.0, 16.0), st.sampled_from(["a10", "h200"]))
-def test_more_bytes_in_flight_is_never_slower(spec: list[tuple[int, float, float, int]], factor: float,
-                                             target: str) -> None:
-    p = params_for(target, "central")
-    slow = [_task(lv, fl, nb, tr) for lv, fl, nb, tr in spec]
-    fast = [_task(lv, fl * factor, nb, tr) for lv, fl, nb, tr in spec]
-    assert step_time(fast, p, p.sms)[0] <= step_time(slow, p, p.sms)[0] + 1e-9
-    for a, b in zip(fast, slow, strict=True):
-        assert task_time(a, p, False)[0] <= task_time(b, p, False)[0] + 1e-9
+@st.composite
+def steps(draw: st.DrawFn) -> list[TaskShape]:
+    n = draw(st.integers(1, 12))
+    out = []
+    for i in range(n):
+        waits = [[j] for j in sorted(draw(st.sets(st.integers(0, i - 1), max_size=3)))] if i else []
+        pre = draw(st.floats(0, 8))
+        out.append(TaskShape(
+            op=1, waits=waits, pre_rt=pre, poll_rt=pre + draw(st.floats(0, 3)), prefetch=draw(st.floats(0, 1 << 16)),
+            used_before_poll=draw(st.booleans()), lead_rt=draw(st.floats(0, 4)), stream=draw(st.floats(0, 1 << 20)),
+            in_flight=draw(st.floats(1024, 1 << 16)), serial_rt=draw(st.floats(0, 8)), par_rt=draw(st.floats(0, 4)),
+            tail_rt=draw(st.floats(0, 4)), instrs=draw(st.floats(0, 400)), fences=draw(st.integers(0, 2)),
+            atomics=draw(st.integers(0, 2)), barriers=draw(st.integers(0, 6))))
+    return out
 
 
-@settings(max_examples=60, deadline=None)
-@given(tasks_st, st.data(), st.sampled_from(["a10", "h200"]))
-def test_more_levels_is_never_faster(spec: list[tuple[int, float, float, int]], data: st.DataObject,
-                                     target: str) -> None:
-    p = params_for(target, "central")
-    tasks = [_task(lv, fl, nb, tr) for lv, fl, nb, tr in spec]
-    # split one level in two: the same tasks, one more dependency level
-    lv = data.draw(st.sampled_from(sorted({t.level for t in tasks})))
-    cut = data.draw(st.integers(0, sum(t.level == lv for t in tasks)))
-    split, seen = [], 0
-    for t in tasks:
-        level = t.level * 2
-        if t.level == lv:
-            level += 1 if seen >= cut else 0
-            seen += 1
-        split.append(TaskCost(t.op, level, t.sync, t.chain, t.loops, t.nbytes))
-    merged = [TaskCost(t.op, t.level * 2, t.sync, t.chain, t.loops, t.nbytes) for t in tasks]
-    assert step_time(split, p, p.sms)[0] >= step_time(merged, p, p.sms)[0] - 1e-9
+def _params(target: str, case: str, grid: int) -> SimParams:
+    lp = params_for(target, case)
+    p = sim_params(lp, grid, 8, True)
+    return SimParams(**{**vars(p), "hbm_bw": 1e12})  # never oversubscribed
 
 
-@settings(max_examples=40, deadline=None)
-@given(tasks_st, st.sampled_from(["a10", "h200"]))
-def test_slow_end_of_every_range_is_never_faster(spec: list[tuple[int, float, float, int]], target: str) -> None:
-    tasks = [_task(lv, fl, nb, tr) for lv, fl, nb, tr in spec]
-    times = [step_time(tasks, params_for(target, c), 72)[0] for c in ("low", "central", "high")]
+@settings(max_examples=80, deadline=None)
+@given(steps(), st.sampled_from(TARGETS))
+def test_slow_end_of_every_range_is_never_faster(tasks: list[TaskShape], target: str) -> None:
+    times = [simulate_step(tasks, _params(target, c, len(tasks))).step_us for c in CASES]
     assert times == sorted(times)
 
+
+@settings(max_examples=80, deadline=None)
+@given(steps(), st.floats(1.0, 16.0), st.sampled_from(TARGETS))
+def test_more_bytes_in_flight_is_never_slower(tasks: list[TaskShape], factor: float, target: str) -> None:
+    p = _params(target, "central", len(tasks))
+    fast = [TaskShape(**{**vars(t), "in_flight": t.in_flight * factor}) for t in tasks]
+    assert simulate_step(fast, p).step_us <= simulate_step(tasks, p).step_us + 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps(), st.data(), st.sampled_from(TARGETS))
+def test_one_more_wait_is_never_faster(tasks: list[TaskShape], data: st.DataObject, target: str) -> None:
+    if len(tasks) < 2:
+        return
+    p = _params(target, "central", len(tasks))
+    i = data.draw(st.integers(1, len(tasks) - 1))
+    j = data.draw(st.integers(0, i - 1))
+    more = [TaskShape(**{**vars(t), "waits": [*t.waits, [j]] if k == i else list(t.waits)})
+            for k, t in enumerate(tasks)]
+    assert simulate_step(more, p).step_us >= simulate_step(tasks, p).step_us - 1e-9
