@@ -205,16 +205,17 @@ _ROTARY = ("rotary embedding that raising did not recognise (partial or interlea
 _NORM = ("a normalization that raising did not recognise (LayerNorm without bias, mean-centred: "
          "Cohere; q/k norms: Qwen3, OLMo 2)")
 _LOGITS = "a multiplier on the logits after the LM head (Cohere's logit_scale, Granite's logits_scaling)"
-_FLAT = ("the residual stream reshaped to [T, hidden] around the feed-forward block (OPT): Reshape and "
-         "the residual Adds after it")
+_FLAT = ("the residual stream reshaped to [T, hidden] around ops that are not all row-wise (raise-rows "
+         "unflattens OPT's feed-forward block; `zlc inspect --explain` says why this one stayed): Reshape "
+         "and the residual Adds after it")
 _PARALLEL = ("a residual Add no projection's epilogue can take (parallel attention + MLP blocks: GPT-J, "
              "CodeGen, Cohere, GPT-NeoX, Falcon, Phi-2)")
 _AFTER = ("residual Adds after the ops above (one fuses into a projection's epilogue once that "
           "projection lowers; a parallel attention + MLP block's 3-way sum never does: GPT-J, CodeGen, "
           "Cohere, GPT-NeoX)")
-_LAYOUT = ("a reshape between transformer ops the kernel does not fuse (OPT flattens the residual stream "
-           "to [T, hidden] around its feed-forward block)")
-_QSCALE = "an attention scale applied to a projection as a Mul (OPT scales q before attention)"
+_LAYOUT = "a reshape between transformer ops the kernel does not fuse"
+_QSCALE = ("an attention scale applied to a projection as a Mul that raise-rows could not fold into it "
+           "(OPT's q scale folds)")
 _SCALAR = "a multiplier on activations (Granite's embedding/residual/attention multipliers)"
 _OTHER = "op-level computation that raising did not recognise"
 

@@ -351,13 +351,14 @@ def test_compile_names_every_misfit(tmp_path: Path) -> None:
     assert not (tmp_path / "c.zlc").exists() and not (tmp_path / "c.zlc.partial").exists()
 
 
-@pytest.mark.parametrize("family", ["gptj", "opt"])
+@pytest.mark.parametrize("family", ["gptj", "cohere"])
 def test_inspect_explain_works_without_after(family: str) -> None:
     res = zlc_cli("inspect", _zoo(family), "--explain", "--max-seq", 64)
     assert res.exit_code == 0, res.output
     assert "raised:" in res.stdout and "megakernel: the decode graph does not fit" in res.stdout
-    want = "rotary embedding" if family == "gptj" else "attention scale applied to a projection"
-    assert want in res.stdout
+    assert "rotary embedding" in res.stdout
+    if family == "cohere":
+        assert "a normalization that raising did not recognise" in res.stdout
 
 
 def test_inspect_explain_says_when_the_model_fits(tiny_onnx: Path) -> None:

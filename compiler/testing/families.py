@@ -123,7 +123,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
 CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
-#: rows gathered at Range, frequencies times Range) and whose blocks the kernel does not run yet.
+#: rows gathered at Range, frequencies times Range). OPT compiles; the others' rotary does not yet.
 POSITION_FAMILIES: tuple[str, ...] = ("opt", "gptj", "codegen", "cohere")
 
 _WEIGHT_STD = 0.125  # 1/sqrt(hidden): unit-scale activations

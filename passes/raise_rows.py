@@ -1,0 +1,133 @@
+"""Raising rules that put raised layers in the form the megakernel runs: constant scales folded into
+the projection before them, and token rows the export flattened put back into [1, T, H].
+
+- `linear_scale`: `Linear(x, W, b) * c` (c a one-element constant, the Linear's only use) becomes
+  `Linear(x, c*W, c*b)`. OPT scales q by head_dim^-0.5 after its projection (and attends with scale
+  1); Granite's multipliers on a projection are the same shape. Logits are left alone: a scale after
+  the LM head (Cohere's logit_scale) would copy a tied embedding table.
+- `unflatten_rows`: `Reshape([1, T, H] -> [T, H])`, row-wise raised ops (norms, projections, MLPs,
+  elementwise ops), `Reshape(-> [1, T, H])` becomes the same ops on [1, T, H] (OPT flattens the
+  residual stream around its feed-forward block). Row-wise: each token's row of the output depends
+  only on that token's row of the inputs, so the batch-1 reshape changes nothing but the rank.
+"""
+
+from __future__ import annotations
+
+from zlc.ir import Graph, Node, Value
+
+from .match import ELEMENTWISE
+from .raising import new_node
+from .rewrite import Match, P, Rule
+
+Pairs = list[tuple[Value, Value]]
+
+
+# ---- constant scale after a projection -------------------------------------------------------------
+
+def _check_linear_scale(m: Match) -> str | None:
+    if m.is_output(m.root.output):
+        return "scales the logits (the LM head's weights may be a tied embedding table)"
+    lin = m["lin"].producer
+    assert lin is not None
+    if any(v is not None and v.data is None for v in lin.inputs[1:]):
+        return "projection weights are not constants"
+    return None
+
+
+def _rw_linear_scale(m: Match, g: Graph) -> Pairs:
+    lin = m["lin"].producer
+    assert lin is not None
+    c = m.scalar("c")
+    scaled = [g.add_const(f"{v.name}.scaled", v.data * c, unique=True)  # type: ignore[operator]
+              for v in lin.inputs[1:] if v is not None]
+    return [(m.root.output, new_node(g, "Linear", [lin.inputs[0], *scaled], "linear"))]
+
+
+LINEAR_SCALE = Rule(
+    "linear_scale",
+    P.op("Mul", P.op("Linear", P.var("x"), P.const("w"), rest=True, single_use=True, out="lin",
+                     why="not the only use of a projection's output"),
+         P.scalar("c", why="not a one-element constant"), commutative=True),
+    _check_linear_scale, _rw_linear_scale,
+    doc="Linear(x, W, b) * c -> Linear(x, c*W, c*b) for a one-element constant c")
+
+
+# ---- flattened token rows --------------------------------------------------------------------------
+
+# Ops whose output row t depends only on input row t (normalizations and activations over the last
+# axis, projections); elementwise ones also need their other operands inside the region or a
+# constant that broadcasts along the last axis.
+_ROW_OPS = {"LayerNorm", "RMSNorm", "Linear", "MLP", "GatedMLP"}
+_FLAT = "not a [1, T, H] -> [T, H] reshape"
+
+
+def _region(m: Match) -> tuple[list[Node], list[Node]] | str:
+    """The row-wise nodes downstream of the flattening reshape, and the reshapes that restore
+    [1, T, H]; or why the region does not qualify."""
+    x, flat = m["x"], m.root.output
+    inside = {id(flat)}
+    nodes: list[Node] = []
+    restores: list[Node] = []
+    frontier = [flat]
+    seen: set[int] = set()
+    while frontier:
+        v = frontier.pop()
+        if m.is_output(v):
+            return "a flattened value is a graph output"
+        for u in m.users(v):
+            if id(u) in seen:
+                continue
+            seen.add(id(u))
+            if u.op == "Reshape" and u.output.shape is not None and tuple(u.output.shape) == tuple(x.shape or ()):
+                restores.append(u)
+                continue
+            if u.op not in _ROW_OPS and u.op not in ELEMENTWISE:
+                return f"{u.op} '{u.name}' on the flattened rows is not row-wise"
+            nodes.append(u)
+            for o in u.outputs:
+                inside.add(id(o))
+                frontier.append(o)
+    for u in nodes:
+        if u.op in _ROW_OPS:  # the rows in, constant weights, gains and biases
+            first = u.inputs[0]
+            if first is None or id(first) not in inside or any(w is not None and w.data is None for w in u.inputs[1:]):
+                return f"{u.op} '{u.name}' takes the flattened rows other than as its input, or non-constant weights"
+            continue
+        for w in u.inputs:
+            if w is not None and id(w) not in inside and not (w.data is not None and len(w.shape or ()) <= 1):
+                return f"{u.op} '{u.name}' mixes the flattened rows with a value from outside"
+    if not restores:
+        return "no reshape restores [1, T, H]"
+    return nodes, restores
+
+
+def _check_unflatten(m: Match) -> str | None:
+    xs, ys = m["x"].shape, m.root.output.shape
+    if xs is None or ys is None or len(xs) != 3 or xs[0] != 1 or tuple(ys) != tuple(xs[1:]):
+        return _FLAT
+    got = _region(m)
+    if isinstance(got, str):
+        return got
+    nodes, restores = got
+    m.cover(*nodes, *restores)
+    m.note("region", got)
+    return None
+
+
+def _rw_unflatten(m: Match, g: Graph) -> Pairs:
+    nodes, restores = m.fact("region")
+    new: dict[int, Value] = {id(m.root.output): m["x"]}
+    region = {id(n) for n in nodes}
+    for n in [n for n in g.nodes if id(n) in region]:  # graph order is topological
+        ins = [new.get(id(v), v) if v is not None else None for v in n.inputs]
+        made = g.add_node(n.op, ins, dict(n.attrs), name=n.name, n_outputs=len(n.outputs))
+        for o, o2 in zip(n.outputs, made.outputs, strict=True):
+            new[id(o)] = o2
+    return [(r.output, new[id(r.inputs[0])]) for r in restores]
+
+
+UNFLATTEN_ROWS = Rule(
+    "unflatten_rows",
+    P.op("Reshape", P.var("x"), P.any()),
+    _check_unflatten, _rw_unflatten,
+    doc="Reshape([1,T,H] -> [T,H]), row-wise ops, Reshape(-> [1,T,H]) -> the ops on [1,T,H]")
