@@ -204,7 +204,8 @@ _ROTARY = ("rotary embedding that raising did not recognise (partial or interlea
            "CodeGen, Cohere, GPT-NeoX, Phi-2, StableLM)")
 _NORM = ("a normalization that raising did not recognise (LayerNorm without bias, mean-centred: "
          "Cohere; q/k norms: Qwen3, OLMo 2)")
-_LOGITS = "a multiplier on the logits after the LM head (Cohere's logit_scale, Granite's logits_scaling)"
+_LOGITS = ("a multiplier on the logits after the LM head with no raised norm before the head to take it "
+           "(Cohere's logit_scale and Granite's logits_scaling fold into theirs)")
 _FLAT = ("the residual stream reshaped to [T, hidden] around ops that are not all row-wise (raise-rows "
          "unflattens OPT's feed-forward block; `zlc inspect --explain` says why this one stayed): Reshape "
          "and the residual Adds after it")
@@ -216,7 +217,8 @@ _AFTER = ("residual Adds after the ops above (one fuses into a projection's epil
 _LAYOUT = "a reshape between transformer ops the kernel does not fuse"
 _QSCALE = ("an attention scale applied to a projection as a Mul that raise-rows could not fold into it "
            "(OPT's q scale folds)")
-_SCALAR = "a multiplier on activations (Granite's embedding/residual/attention multipliers)"
+_SCALAR = ("a multiplier on activations that raise-rows could not fold into a projection (Granite's "
+           "residual multipliers fold)")
 _OTHER = "op-level computation that raising did not recognise"
 
 

@@ -1,10 +1,13 @@
 """Raising rules that put raised layers in the form the megakernel runs: constant scales folded into
 the projection before them, and token rows the export flattened put back into [1, T, H].
 
-- `linear_scale`: `Linear(x, W, b) * c` (c a one-element constant, the Linear's only use) becomes
-  `Linear(x, c*W, c*b)`. OPT scales q by head_dim^-0.5 after its projection (and attends with scale
-  1); Granite's multipliers on a projection are the same shape. Logits are left alone: a scale after
-  the LM head (Cohere's logit_scale) would copy a tied embedding table.
+- `linear_scale` / `linear_divide`: `P(x) * c` or `P(x) / c` (c a one-element constant, the
+  projection's only use), for P a Linear, MLP or GatedMLP, becomes P with c times the weights and
+  bias its output is linear in (the down projection's for an MLP). OPT scales q by head_dim^-0.5
+  after its projection (and attends with scale 1); Granite multiplies the attention and MLP outputs
+  by residual_multiplier. On the logits the LM head's weights may be a tied embedding table, so
+  the scale goes into the gain and bias of the norm before the head instead (exact: the head is
+  linear); Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale.
 - `unflatten_rows`: `Reshape([1, T, H] -> [T, H])`, row-wise raised ops (norms, projections, MLPs,
   elementwise ops), `Reshape(-> [1, T, H])` becomes the same ops on [1, T, H] (OPT flattens the
   residual stream around its feed-forward block). Row-wise: each token's row of the output depends
@@ -13,9 +16,12 @@ the projection before them, and token rows the export flattened put back into [1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from zlc.ir import Graph, Node, Value
 
 from .match import ELEMENTWISE
+from .pattern import OpPattern
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
@@ -24,32 +30,75 @@ Pairs = list[tuple[Value, Value]]
 
 # ---- constant scale after a projection -------------------------------------------------------------
 
-def _check_linear_scale(m: Match) -> str | None:
-    if m.is_output(m.root.output):
-        return "scales the logits (the LM head's weights may be a tied embedding table)"
+# The inputs of each projection op that its output is linear in: scaling them scales the output.
+_SCALED_INPUTS = {"Linear": (1, 2), "MLP": (3, 4), "GatedMLP": (3,)}  # W, b / W_down, b_down
+_NORMS = ("RMSNorm", "LayerNorm")  # gain (and bias): a scale before a bias-free head is one after it
+
+
+def _head_norm(m: Match) -> Node | None:
+    """For a scale on the logits: the norm whose only use is the projection (the LM head's input)."""
     lin = m["lin"].producer
     assert lin is not None
-    if any(v is not None and v.data is None for v in lin.inputs[1:]):
+    x = lin.inputs[0]
+    if lin.op != "Linear" or x is None or x.producer is None or x.producer.op not in _NORMS or m.n_uses(x) != 1:
+        return None
+    return x.producer
+
+
+def _check_scale(m: Match) -> str | None:
+    lin = m["lin"].producer
+    assert lin is not None
+    if any(lin.inputs[i] is not None and lin.inputs[i].data is None  # type: ignore[union-attr]
+           for i in _SCALED_INPUTS[lin.op] if i < len(lin.inputs)):
         return "projection weights are not constants"
+    if m.is_output(m.root.output):
+        # The LM head's weights may be a tied embedding table: scale the norm before it instead.
+        norm = _head_norm(m)
+        if norm is None or any(v is not None and v.data is None for v in norm.inputs[1:]):
+            return "scales the logits, and no norm of the head's input alone can take the scale"
+        m.cover(norm)
     return None
 
 
-def _rw_linear_scale(m: Match, g: Graph) -> Pairs:
-    lin = m["lin"].producer
-    assert lin is not None
-    c = m.scalar("c")
-    scaled = [g.add_const(f"{v.name}.scaled", v.data * c, unique=True)  # type: ignore[operator]
-              for v in lin.inputs[1:] if v is not None]
-    return [(m.root.output, new_node(g, "Linear", [lin.inputs[0], *scaled], "linear"))]
+def _scaled(g: Graph, n: Node, which: tuple[int, ...], c: float) -> list[Value | None]:
+    return [g.add_const(f"{v.name}.scaled", v.data * c, unique=True)  # type: ignore[operator]
+            if i in which and v is not None else v for i, v in enumerate(n.inputs)]
+
+
+def _rw_scale(c_of: Callable[[float], float]) -> Callable[[Match, Graph], Pairs]:
+    def rewrite(m: Match, g: Graph) -> Pairs:
+        lin = m["lin"].producer
+        assert lin is not None
+        c = c_of(m.scalar("c"))
+        if m.is_output(m.root.output):
+            norm = _head_norm(m)
+            assert norm is not None
+            normed = new_node(g, norm.op, _scaled(g, norm, (1, 2), c), norm.name, **norm.attrs)
+            ins = _scaled(g, lin, (2,), c)
+            ins[0] = normed
+        else:
+            ins = _scaled(g, lin, _SCALED_INPUTS[lin.op], c)
+        return [(m.root.output, new_node(g, lin.op, ins, lin.name, **lin.attrs))]
+    return rewrite
+
+
+def _projection() -> OpPattern:
+    return P.op(tuple(_SCALED_INPUTS), P.var("x"), rest=True, single_use=True, out="lin",
+                why="not the only use of a projection's output")
 
 
 LINEAR_SCALE = Rule(
     "linear_scale",
-    P.op("Mul", P.op("Linear", P.var("x"), P.const("w"), rest=True, single_use=True, out="lin",
-                     why="not the only use of a projection's output"),
-         P.scalar("c", why="not a one-element constant"), commutative=True),
-    _check_linear_scale, _rw_linear_scale,
-    doc="Linear(x, W, b) * c -> Linear(x, c*W, c*b) for a one-element constant c")
+    P.op("Mul", _projection(), P.scalar("c", why="not a one-element constant")),
+    _check_scale, _rw_scale(lambda c: c),
+    doc="Linear / MLP / GatedMLP output * c -> the same op with c times its (down) weights and bias; "
+        "on the logits, c times the gain and bias of the norm before the head")
+
+LINEAR_DIVIDE = Rule(
+    "linear_divide",
+    P.op("Div", _projection(), P.scalar("c", why="not divided by a one-element constant"), commutative=False),
+    lambda m: "divides by zero" if m.scalar("c") == 0 else _check_scale(m), _rw_scale(lambda c: 1.0 / c),
+    doc="the same for a division by a constant (Granite's logits_scaling)")
 
 
 # ---- flattened token rows --------------------------------------------------------------------------

@@ -340,14 +340,21 @@ def test_verify_of_a_compilable_model_says_so(tiny_onnx: Path) -> None:
     assert json.loads(zlc_cli("verify", tiny_onnx, "--steps", 2, "--json").stdout)["compilable"] is True
 
 
-def test_compile_names_every_misfit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fold_logit_scale", [True, False])
+def test_compile_names_every_misfit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fold_logit_scale: bool) -> None:
+    """Cohere: its rotary, its mean-centring norm and its parallel block's sums. Its logit scale folds
+    into the final norm (raise-rows); without that fold, the Mul after the head is named too."""
     from zlc.verifier import NotCompilableError
 
+    if not fold_logit_scale:
+        monkeypatch.setattr("zlc.passes.raise_rows._head_norm", lambda m: None)
     res = zlc_cli("compile", _zoo("cohere"), "-o", tmp_path / "c.zlc", "--max-seq", 64, "--skip-verify")
     line = assert_one_error_line(res, NotCompilableError.exit_code)
-    for needle in ("does not fit the megakernel", "rotary embedding", "a normalization",
-                   "logits after the LM head", "no LMHead", "inspect MODEL --explain"):
+    for needle in ("does not fit the megakernel", "rotary embedding", "a normalization", "residual Adds",
+                   "inspect MODEL --explain"):
         assert needle in line, needle
+    for needle in ("logits after the LM head", "no LMHead"):
+        assert (needle in line) == (not fold_logit_scale), needle
     assert not (tmp_path / "c.zlc").exists() and not (tmp_path / "c.zlc.partial").exists()
 
 

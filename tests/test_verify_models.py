@@ -116,7 +116,7 @@ def test_zlc_run_onnx_gives_hugging_faces_greedy_tokens(family: str) -> None:
     assert json.loads(res.stdout)["generated"] == _hf_greedy(family)
 
 
-@pytest.mark.parametrize("family", POSITION_FAMILIES)
+@pytest.mark.parametrize("family", [*POSITION_FAMILIES, "granite"])
 def test_the_torch_export_route_gives_hugging_faces_greedy_tokens(family: str) -> None:
     import torch
 
@@ -128,7 +128,7 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens(family: str) -
     assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy(family)
     from zlc.verifier import megakernel_fit
 
-    assert megakernel_fit(lowered.decode, lowered.max_seq).compilable == (family == "opt")
+    assert megakernel_fit(lowered.decode, lowered.max_seq).compilable == (family in ("opt", "granite"))
 
 
 @pytest.mark.parametrize(("kind", "family"), [("stateless", f) for f in ("gptj", "codegen", "cohere")]
@@ -143,17 +143,20 @@ def test_position_families_verify_but_do_not_fit_the_megakernel_yet(kind: str, f
     assert any(line.startswith("rotary embedding") for line in rep.megakernel), rep.megakernel
 
 
-# ---- OPT through the megakernel -----------------------------------------------------------------
-# raise-rows folds its q scale into the q projection and runs its feed-forward block on [1, T, H]
-# (passes/raise_rows.py); its learned positions are a table from row 2 (passes/positions.py).
+# ---- OPT and Granite through the megakernel -----------------------------------------------------
+# raise-rows (passes/raise_rows.py) folds OPT's q scale into the q projection and runs its
+# feed-forward block on [1, T, H]; its learned positions are a table from row 2 (positions.py).
+# Granite's residual multipliers fold into the o_proj / down_proj weights, its logits_scaling into
+# the final norm's gain; its embedding multiplier is the kernel's embedding scale (Gemma's).
 
-@pytest.mark.parametrize("kind", ["stateless", "optimum_kv"])
-def test_opt_verifies_and_fits_the_megakernel(kind: str) -> None:
-    rep = verify(zoo.cached(kind, "opt", 20), steps=8, max_seq=64)
+@pytest.mark.parametrize(("kind", "family"), [("stateless", "opt"), ("optimum_kv", "opt"), ("stateless", "granite")])
+def test_verifies_and_fits_the_megakernel(kind: str, family: str) -> None:
+    rep = verify(zoo.cached(kind, family, 20), steps=8, max_seq=64)
     assert rep.ok and rep.compilable, (rep.summary(), rep.megakernel)
 
 
-def test_opt_bundle_gives_hugging_faces_greedy_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["opt", "granite"])
+def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -> None:
     """`zlc compile` (verified against ONNX Runtime), then the bundle's Triton kernel in the
     interpreter and its native C kernel: both print Hugging Face's greedy tokens."""
     pytest.importorskip("triton")
@@ -163,11 +166,11 @@ def test_opt_bundle_gives_hugging_faces_greedy_tokens(tmp_path: Path) -> None:
 
     from zlc.cli import cli
 
-    out = tmp_path / "opt.zlc"
-    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", "opt", 20)), "-o", str(out),
+    out = tmp_path / f"{family}.zlc"
+    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", family, 20)), "-o", str(out),
                                    "--max-seq", "64"])
     assert res.exit_code == 0, res.output
-    want = _hf_greedy("opt")
+    want = _hf_greedy(family)
     for device in ("interpret", "cpu"):
         res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, PROMPT)),
                                        "--max-new-tokens", str(NEW_TOKENS), "--device", device, "--json"])

@@ -1,7 +1,8 @@
-"""`raise-rows` (passes/raise_rows.py): constant scales folded into the projection before them, and
-token rows an export flattened put back into [1, T, H]. Each rewrite is checked against the
-reference executor on graphs built here (random shapes and data), and on the real OPT export,
-where the two together are what lets the megakernel run it."""
+"""`raise-rows` (passes/raise_rows.py): constant scales folded into the projection before them (or,
+on the logits, into the norm before the head), and token rows an export flattened put back into
+[1, T, H]. Each rewrite is checked against the reference executor on graphs built here (random
+shapes and data), and on the real OPT export, where the two together let the megakernel run it
+(Granite's bundle test is in tests/test_verify_models.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from hypothesis import strategies as st
 
 import zlc
 from zlc.ir import DType, Graph, TensorType, Value, verify_graph
-from zlc.passes.raise_rows import LINEAR_SCALE, UNFLATTEN_ROWS
+from zlc.passes.raise_rows import LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from zlc.passes.raising import raising_rules
 from zlc.reference.executor import run_graph
 
 F32 = DType.f32
-ROWS = raising_rules("raise-rows", [LINEAR_SCALE, UNFLATTEN_ROWS])
+ROWS = raising_rules("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, UNFLATTEN_ROWS])
 
 
 def _w(g: Graph, rng: np.random.Generator, *shape: int) -> Value:
@@ -69,30 +70,57 @@ def test_unflatten_rows_refuses_what_is_not_row_wise(mix: str, reason: str) -> N
     assert any(reason in r for r in res.refused.get("unflatten_rows", {})), res.refused
 
 
-def _scaled_linear(hidden: int, seq: int, rng: np.random.Generator, *, bias: bool, to_output: bool) -> Graph:
+def _scaled(op: str, hidden: int, seq: int, rng: np.random.Generator, *, div: bool = False,
+            to_output: bool = False, norm: str | None = None) -> Graph:
+    """x -> [norm] -> op (Linear with bias, MLP, GatedMLP) -> * 0.3 (or / 2.5) -> [Relu]."""
     g = Graph("scaled")
     x = g.add_input("x", TensorType(F32, (1, seq, hidden)))
-    ins = [x, _w(g, rng, hidden, hidden)] + ([_w(g, rng, hidden)] if bias else [])
-    y = g.op("Mul", g.op("Linear", *ins), g.const_scalar(0.25, F32))
+    if norm == "RMSNorm":
+        x = g.op("RMSNorm", x, g.add_const("g", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)), eps=1e-6)
+    elif norm == "LayerNorm":
+        x = g.op("LayerNorm", x, g.add_const("g", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)),
+                 g.add_const("b", (0.1 * rng.standard_normal(hidden)).astype(np.float32)), eps=1e-5)
+    if op == "Linear":
+        y = g.op("Linear", x, _w(g, rng, hidden, hidden), _w(g, rng, hidden))
+    elif op == "MLP":
+        y = g.op("MLP", x, _w(g, rng, 2 * hidden, hidden), _w(g, rng, 2 * hidden), _w(g, rng, hidden, 2 * hidden),
+                 _w(g, rng, hidden), activation="relu")
+    else:
+        y = g.op("GatedMLP", x, _w(g, rng, 2 * hidden, hidden), _w(g, rng, 2 * hidden, hidden),
+                 _w(g, rng, hidden, 2 * hidden), activation="silu")
+    y = g.op("Div", y, g.const_scalar(2.5, F32)) if div else g.op("Mul", g.const_scalar(0.3, F32), y)
     g.outputs = [y if to_output else g.op("Relu", y)]
     return g
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_linear_scale_folds_into_the_weights(bias: bool) -> None:
-    rng = np.random.default_rng(1)
-    g = _scaled_linear(16, 5, rng, bias=bias, to_output=False)
-    x = rng.standard_normal((1, 5, 16)).astype(np.float32)
+def _same_numbers(g: Graph, rule: str, want_ops: dict[str, int], seq: int = 5, hidden: int = 16) -> None:
+    x = np.random.default_rng(7).standard_normal((1, seq, hidden)).astype(np.float32)
     before = run_graph(g, {"x": x})
-    assert ROWS.apply(g).applied["linear_scale"] == 1
+    assert ROWS.apply(g).applied.get(rule) == 1
     verify_graph(g)
-    assert g.op_histogram() == {"Linear": 1, "Relu": 1}
+    assert g.op_histogram() == want_ops
     np.testing.assert_allclose(next(iter(run_graph(g, {"x": x}).values())), next(iter(before.values())),
-                               atol=1e-6, rtol=1e-6)
+                               atol=1e-5, rtol=1e-5)
 
 
-def test_linear_scale_leaves_the_logits_alone() -> None:
-    g = _scaled_linear(16, 5, np.random.default_rng(2), bias=False, to_output=True)
+@pytest.mark.parametrize("op", ["Linear", "MLP", "GatedMLP"])
+@pytest.mark.parametrize("div", [False, True])
+def test_a_scale_folds_into_the_projection(op: str, div: bool) -> None:
+    g = _scaled(op, 16, 5, np.random.default_rng(1), div=div)
+    _same_numbers(g, "linear_divide" if div else "linear_scale", {op: 1, "Relu": 1})
+
+
+@pytest.mark.parametrize("norm", ["RMSNorm", "LayerNorm"])
+def test_a_scale_on_the_logits_goes_into_the_norm_before_the_head(norm: str) -> None:
+    """Granite's logits / logits_scaling: the head's weights (maybe a tied table) stay as they are."""
+    g = _scaled("Linear", 16, 5, np.random.default_rng(3), div=True, to_output=True, norm=norm)
+    head_w = next(n for n in g.nodes if n.op == "Linear").inputs[1]
+    _same_numbers(g, "linear_divide", {norm: 1, "Linear": 1})
+    assert next(n for n in g.nodes if n.op == "Linear").inputs[1] is head_w
+
+
+def test_a_scale_on_the_logits_without_a_norm_stays() -> None:
+    g = _scaled("Linear", 16, 5, np.random.default_rng(2), to_output=True)
     res = ROWS.apply(g)
     assert "linear_scale" not in res.applied and g.op_histogram() == {"Linear": 1, "Mul": 1}
     assert any("scales the logits" in r for r in res.refused.get("linear_scale", {}))
