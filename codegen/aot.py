@@ -28,7 +28,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zlc.errors import ZlcError
+
+from .sass import SassError, find_tool
 
 if TYPE_CHECKING:
     from zlc.targets import Target
@@ -413,20 +414,10 @@ def _ptx_entry_param_count(ptx: str, name: str) -> int | None:
 
 
 def _nvidia_tool(name: str) -> str:
-    # Triton's wheel ships the tools; locate them without importing triton (slow, and TRITON_INTERPRET
-    # may be set in this process).
-    env = os.environ.get(f"TRITON_{name.upper()}_PATH")
-    if env:
-        return env
-    spec = importlib.util.find_spec("triton")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(loc) / "backends" / "nvidia" / "bin" / name
-        if p.is_file():
-            return str(p)
-    found = shutil.which(name)
-    if found is None:
-        raise AotError(f"{name} not found (neither in the triton wheel nor on PATH)")
-    return found
+    try:
+        return find_tool(name)
+    except SassError as e:
+        raise AotError(str(e)) from None
 
 
 # ---- child process -------------------------------------------------------------------------------
