@@ -66,3 +66,22 @@ def test_greedy_tokens_equal_onnx_runtime(smollm2_bundle: tuple[Path, Path]) -> 
         logits = ref.feed([expect[-1]])[-1]
     assert res["generated"] == expect
     assert res["text"].startswith("The capital of France is Paris")
+
+
+def test_inspect_names_each_cubin_and_the_driver_it_needs(smollm2_bundle: tuple[Path, Path]) -> None:
+    """sm_90 kernels are assembled by two toolkits (the older one for drivers before CUDA 13): the
+    summary says which, in the order the executor tries them."""
+    from zlc.cli import cli
+
+    out, _ = smollm2_bundle
+    man = json.loads((out / "manifest.json").read_text())
+    r = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert r.exit_code == 0, r.output
+    lines = {ln.split(":", 1)[0]: ln.split(":", 1)[1] for ln in r.output.splitlines() if ln.startswith("cubins ")}
+    for t in ("a10", "h100"):
+        cubins = man["targets"][t]["cubins"]
+        want = [f"CUDA {c['toolkit']} (driver >= {c['min_driver'] // 1000}." for c in cubins]
+        line = lines[f"cubins {t}"]
+        assert [line.index(w) for w in want] == sorted(line.index(w) for w in want), line
+    assert len(man["targets"]["h100"]["cubins"]) == 2 and lines["cubins h100"].count("CUDA") == 2
+    assert lines["cubins a10"].count("CUDA") == 1

@@ -250,5 +250,24 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
                   f"{rf[f'bytes_at_{ctx}'] / 1e6:.2f} MB @{ctx}",
                   f"{floor:.1f} µs" if floor is not None else "-")
     out.print(t)
+    for name, info in man["targets"].items():
+        if (line := _cubin_line(info)) is not None:
+            out.print(f"cubins {name}: {line}")
     if secs:
         out.print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+
+
+def _cubin_line(info: dict[str, Any]) -> str | None:
+    """Which toolkits assembled a GPU target's decode kernel and the oldest driver each needs (the
+    CUDA executor loads the first one the driver takes), or None for a target without cubins."""
+    cubins = info.get("cubins") or []
+    if not cubins:
+        return None
+
+    def driver(v: int) -> str:
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    parts = [f"CUDA {c['toolkit']} (driver >= {driver(int(c['min_driver']))})" for c in cubins]
+    if info.get("fallback_skipped"):
+        parts.append(f"no fallback: {info['fallback_skipped']}")
+    return ", then ".join(parts)

@@ -64,8 +64,9 @@ class CompileProgress:
               help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
 @click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory that is not a bundle.")
-@click.option("--debug-waits", is_flag=True, help="Debug build: a wait that never completes raises an "
-              "error flag after 2 s instead of hanging the GPU.")
+@click.option("--debug-waits", is_flag=True, help="Also ship each GPU kernel's debug build (a wait that never "
+              "completes raises an error flag after 2 s instead of hanging the GPU; the first launch "
+              "runs it under a host deadline) and its trace build (per-task SM and timestamps).")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
                 tokenizer: Path | None, skip_verify: bool, force: bool, debug_waits: bool, as_json: bool) -> None:
