@@ -3,14 +3,16 @@
     python bench/kernel_stats.py                       # build (or reuse) SmolLM2-135M and the Llama-1B shape
     python bench/kernel_stats.py --bundle X.zlc ...    # or read bundles made elsewhere
     python bench/kernel_stats.py --json | --markdown   # machine-readable / the docs table
+    python bench/kernel_stats.py --markdown --save-json r.json   # both at once
 
 Bundles are the shape-faithful random-weight models of `bench/device_bench.py` (`Config`, `MODELS`,
 its plain-torch `Llama`), compiled here with `zlc.compile(module, ...)` for a10 (sm_86) and h200
 (sm_90) with max_seq 512, once into --cache (default ~/.cache/zlc/kernel-stats/<model>.zlc; the
-weights file is dropped: the facts need the manifest, kernel.py, tables and cubins only). SmolLM2
-takes ~30 s to compile on a 2-core machine, the Llama-1B shape ~4.5 min and ~12 GB of memory.
+weights file is dropped: the facts need the manifest, kernel.py, tables and cubins only; a cached
+bundle of another zlc version or bundle format is rebuilt, and --rebuild after a kernel change). SmolLM2
+takes ~40 s to compile on a 2-core machine, the Llama-1B shape ~2 min and ~12 GB of memory.
 Everything printed comes from the cubins and the task tables (`zlc.codegen.kernel_stats`,
-`kernel_tables`) and the latency model with its stated ranges (`zlc.codegen.kernel_model`,
+`kernel_tables`, `kernel_path`) and the latency model with its stated ranges (`kernel_model`, `kernel_sim`;
 docs/kernel-model.md); no GPU is used.
 """
 
@@ -38,13 +40,14 @@ def build(name: str, cache: Path, targets: tuple[str, ...], max_seq: int, force:
     from device_bench import SEED, Config, Llama, init_weights  # the bench's model definitions
 
     import zlc
+    from zlc.bundle import FORMAT_VERSION
 
     out = cache / f"{name}.zlc"
     man = out / "manifest.json"
     if man.exists() and not force:
         m = json.loads(man.read_text())
         if set(targets) <= set(m.get("targets", {})) and m["model"]["max_seq"] == max_seq \
-                and m.get("zlc_version") == zlc.__version__:
+                and m.get("zlc_version") == zlc.__version__ and m.get("format_version") == FORMAT_VERSION:
             return out
     cfg = Config.named(name)
     torch.manual_seed(SEED)
@@ -80,6 +83,7 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--save-json", type=Path, default=None, help="also write the reports as JSON to this file")
     a = ap.parse_args()
     targets = tuple(a.targets or TARGETS)
     bundles = list(a.bundle) or [build(m, a.cache, targets, a.max_seq, a.rebuild) for m in a.models]
@@ -89,6 +93,8 @@ def main() -> int:
 
     reports = [bundle_report(b, targets=[t for t in targets if t in _gpu_targets(b)] or None, context=a.context)
                for b in bundles]
+    if a.save_json is not None:
+        a.save_json.write_text(json.dumps(reports, indent=1))
     if a.json:
         print(json.dumps(reports, indent=1))
     elif a.markdown:

@@ -271,6 +271,8 @@ def predict(code: KernelCode, tables: TableFacts, man: dict[str, Any], context: 
     crit["signal_hops"] = sum(1 for k in chain if res.times[k].wait_by >= 0)
     crit["levels"] = len({shapes[k].level for k in chain})
     crit["ops"] = {OP_NAMES[o] if 0 <= o < len(OP_NAMES) else str(o): n for o, n in crit.get("ops", {}).items()}
+    crit["terms_us"] = _chain_terms([shapes[k] for k in chain], sim_params(central, grid, warps, overlapped),
+                                    crit["signal_hops"])
     roof = man["targets"][target].get("roofline", {})
     rb = roof.get(f"bytes_at_{context}") or roof.get(f"bytes_at_{context + 1}")
     classes = [{"body": body, "op": OP_NAMES[shapes[c["sample_task"]].op], "variants": list(var), "tasks": c["tasks"],
@@ -281,6 +283,20 @@ def predict(code: KernelCode, tables: TableFacts, man: dict[str, Any], context: 
     return Prediction(target, context, us, floor, int(nbytes), int(rb) if rb else None, per_op, sms, crit,
                       round(res.hbm_bytes / max(span, 1e-9) / (central.hbm_gbs * 1e3), 3), classes, info.unpriced,
                       info.ctrl_loads_per_step)
+
+
+def _chain_terms(chain: list[TaskShape], p: SimParams, hops: int) -> dict[str, float]:
+    """The fixed terms the critical path's tasks pay after their waits, summed over the chain
+    (µs, central): what a level costs beyond streaming, term by term."""
+    t = {"signal_to_poll": hops * p.sig,
+         "poll_round_trips": sum(len(s.waits) for s in chain) * p.l2,
+         "l2_round_trips_after_wait": sum(s.lead_rt + s.lead_l2 + s.par_rt + s.tail_rt + s.serial_rt for s in chain) * p.l2,
+         "release_fences": sum(s.fences for s in chain) * p.fence,
+         "waited_atomics": sum(s.atomics for s in chain) * p.atomic,
+         "barriers": sum(s.barriers for s in chain) * p.barrier,
+         "math_after_stream": sum(s.instrs for s in chain) * p.instr,
+         "l1_invalidations": sum(s.invalidations for s in chain) * p.inval}
+    return {k: round(v, 1) for k, v in t.items()}
 
 
 def _stats(v: list[float]) -> dict[str, float]:
