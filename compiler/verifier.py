@@ -202,8 +202,8 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
 # (first match wins). The scheduler only knows that an op has no lowering; this names the feature.
 _ROTARY = ("rotary embedding that raising did not recognise (partial or interleaved rotary: GPT-J, "
            "CodeGen, Cohere, GPT-NeoX, Phi-2, StableLM)")
-_NORM = ("a normalization that raising did not recognise (LayerNorm without bias, mean-centred: "
-         "Cohere; q/k norms: Qwen3, OLMo 2)")
+_NORM = ("a normalization that raising did not recognise (q/k norms: Qwen3, OLMo 2; Cohere's bias-free "
+         "LayerNorm raises)")
 _LOGITS = ("a multiplier on the logits after the LM head with no raised norm before the head to take it "
            "(Cohere's logit_scale and Granite's logits_scaling fold into theirs)")
 _FLAT = ("the residual stream reshaped to [T, hidden] around ops that are not all row-wise (raise-rows "

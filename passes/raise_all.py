@@ -32,7 +32,7 @@ from .raise_layers import (
     SLICE_LINEAR,
     SPLIT_LINEAR,
 )
-from .raise_rows import LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from .raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from .raising import RaiseStats, raising_rules
 from .rewrite import RewriteStats, RuleSet
 
@@ -47,7 +47,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
-    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, UNFLATTEN_ROWS]),
+    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS]),
     ("raise-lm-head", [LM_HEAD]),
 )]
 

@@ -8,6 +8,7 @@ the projection before them, and token rows the export flattened put back into [1
   by residual_multiplier. On the logits the LM head's weights may be a tied embedding table, so
   the scale goes into the gain and bias of the norm before the head instead (exact: the head is
   linear); Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale.
+- `centred_rmsnorm`: `RMSNorm(x - mean(x), w)` becomes `LayerNorm(x, w)` without bias (Cohere).
 - `unflatten_rows`: `Reshape([1, T, H] -> [T, H])`, row-wise raised ops (norms, projections, MLPs,
   elementwise ops), `Reshape(-> [1, T, H])` becomes the same ops on [1, T, H] (OPT flattens the
   residual stream around its feed-forward block). Row-wise: each token's row of the output depends
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 from zlc.ir import Graph, Node, Value
 
-from .match import ELEMENTWISE
+from .match import ELEMENTWISE, last_axis
 from .pattern import OpPattern
 from .raising import new_node
 from .rewrite import Match, P, Rule
@@ -99,6 +100,31 @@ LINEAR_DIVIDE = Rule(
     P.op("Div", _projection(), P.scalar("c", why="not divided by a one-element constant"), commutative=False),
     lambda m: "divides by zero" if m.scalar("c") == 0 else _check_scale(m), _rw_scale(lambda c: 1.0 / c),
     doc="the same for a division by a constant (Granite's logits_scaling)")
+
+
+# ---- mean-centred RMSNorm: LayerNorm without bias ------------------------------------------------
+
+def _check_centred(m: Match) -> str | None:
+    mean = m.node("mean")
+    if not last_axis(mean, m["x"].type.rank) or not mean.attrs.get("keepdims", 1):
+        return "not centred by the keepdims mean over the last axis"
+    return None
+
+
+def _rw_centred(m: Match, g: Graph) -> Pairs:
+    n = m.root
+    return [(n.output, new_node(g, "LayerNorm", [m["x"], m["w"]], "layer_norm", eps=n.attrs.get("eps", 1e-5)))]
+
+
+# (x - mean(x)) / rms(x - mean(x)) * w is (x - mean) / sqrt(var + eps) * w: LayerNorm without bias
+# (Cohere, OLMo 2's exports spell it so once RMSNorm is raised).
+CENTRED_RMSNORM = Rule(
+    "centred_rmsnorm",
+    P.op("RMSNorm", P.op("Sub", P.var("x"), P.op("ReduceMean", P.var("x"), rest=True, name="mean", single_use=True),
+                         single_use=True, commutative=False, why="input is not x - mean(x)"),
+         P.const("w")),
+    _check_centred, _rw_centred,
+    doc="RMSNorm(x - mean(x), w) -> LayerNorm(x, w) without bias")
 
 
 # ---- flattened token rows --------------------------------------------------------------------------

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 import zlc
 from zlc.ir import DType, Graph, TensorType, Value, verify_graph
-from zlc.passes.raise_rows import LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from zlc.passes.raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from zlc.passes.raising import raising_rules
 from zlc.reference.executor import run_graph
 
 F32 = DType.f32
-ROWS = raising_rules("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, UNFLATTEN_ROWS])
+ROWS = raising_rules("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS])
 
 
 def _w(g: Graph, rng: np.random.Generator, *shape: int) -> Value:
@@ -145,3 +145,38 @@ def test_opt_raises_to_the_megakernel_form() -> None:
     want = next(iter(run_graph(before, {"input_ids": ids}).values()))
     got = zlc.lower(path, options=opts, stop_after="cleanup").graph
     np.testing.assert_allclose(next(iter(run_graph(got, {"input_ids": ids}).values())), want, atol=1e-5, rtol=1e-5)
+
+
+# ---- mean-centred RMSNorm ---------------------------------------------------------------------------
+
+def _centred(hidden: int, seq: int, rng: np.random.Generator, axis: int = -1) -> Graph:
+    g = Graph("centred")
+    x = g.add_input("x", TensorType(F32, (1, seq, hidden)))
+    c = g.op("Sub", x, g.op("ReduceMean", x, axes=[axis], keepdims=1))
+    w = g.add_const("w", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    g.outputs = [g.op("Relu", g.op("RMSNorm", c, w, eps=1e-5))]
+    return g
+
+
+@settings(max_examples=15, deadline=None)
+@given(hidden=st.integers(2, 40), seq=st.integers(1, 7), seed=st.integers(0, 99))
+def test_centred_rmsnorm_is_layernorm_without_bias(hidden: int, seq: int, seed: int) -> None:
+    """Cohere's LayerNorm without bias, as raising first sees it: RMSNorm(x - mean(x))."""
+    rng = np.random.default_rng(seed)
+    g = _centred(hidden, seq, rng)
+    x = (3 + rng.standard_normal((1, seq, hidden))).astype(np.float32)  # a mean far from 0
+    before = run_graph(g, {"x": x})
+    assert ROWS.apply(g).applied.get("centred_rmsnorm") == 1
+    verify_graph(g)
+    assert g.op_histogram() == {"LayerNorm": 1, "Relu": 1}
+    ln = next(n for n in g.nodes if n.op == "LayerNorm")
+    assert len([v for v in ln.inputs if v is not None]) == 2 and ln.attrs["eps"] == 1e-5
+    np.testing.assert_allclose(next(iter(run_graph(g, {"x": x}).values())), next(iter(before.values())),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_centred_rmsnorm_needs_the_mean_over_the_last_axis() -> None:
+    g = _centred(8, 4, np.random.default_rng(0), axis=1)
+    res = ROWS.apply(g)
+    assert "centred_rmsnorm" not in res.applied and "RMSNorm" in g.op_histogram()
+    assert "not centred by the keepdims mean over the last axis" in res.refused.get("centred_rmsnorm", {})
