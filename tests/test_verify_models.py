@@ -143,19 +143,21 @@ def test_position_families_verify_but_do_not_fit_the_megakernel_yet(kind: str, f
     assert any(line.startswith("rotary embedding") for line in rep.megakernel), rep.megakernel
 
 
-# ---- OPT and Granite through the megakernel -----------------------------------------------------
+# ---- OPT, Granite, Starcoder2, OLMo through the megakernel ------------------------------------
 # raise-rows (passes/raise_rows.py) folds OPT's q scale into the q projection and runs its
 # feed-forward block on [1, T, H]; its learned positions are a table from row 2 (positions.py).
 # Granite's residual multipliers fold into the o_proj / down_proj weights, its logits_scaling into
 # the final norm's gain; its embedding multiplier is the kernel's embedding scale (Gemma's).
+# Starcoder2 (biases, GELU MLP, LayerNorm) and OLMo (parameter-free LayerNorm) needed nothing new.
 
-@pytest.mark.parametrize(("kind", "family"), [("stateless", "opt"), ("optimum_kv", "opt"), ("stateless", "granite")])
+@pytest.mark.parametrize(("kind", "family"), [("stateless", "opt"), ("optimum_kv", "opt"), ("stateless", "granite"),
+                                              ("stateless", "starcoder2"), ("stateless", "olmo")])
 def test_verifies_and_fits_the_megakernel(kind: str, family: str) -> None:
     rep = verify(zoo.cached(kind, family, 20), steps=8, max_seq=64)
     assert rep.ok and rep.compilable, (rep.summary(), rep.megakernel)
 
 
-@pytest.mark.parametrize("family", ["opt", "granite"])
+@pytest.mark.parametrize("family", ["opt", "granite", "starcoder2", "olmo"])
 def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -> None:
     """`zlc compile` (verified against ONNX Runtime), then the bundle's Triton kernel in the
     interpreter and its native C kernel: both print Hugging Face's greedy tokens."""

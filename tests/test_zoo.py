@@ -18,7 +18,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from zlc.testing import zoo  # noqa: E402
-from zlc.testing.families import CORE_FAMILIES, MULTIPLIER_FAMILIES, POSITION_FAMILIES  # noqa: E402
+from zlc.testing.families import CORE_FAMILIES, EXTRA_FAMILIES, POSITION_FAMILIES  # noqa: E402
 
 TOL = 1e-4
 
@@ -90,10 +90,13 @@ def test_stateless_position_families(family: str) -> None:
     assert ("CumSum" if family == "opt" else "Range") in hist
 
 
-def test_stateless_granite() -> None:
-    """Granite's four multipliers are in the export (Mul/Div by constants) and it equals torch."""
-    hist = check_stateless("stateless", "granite", 20)
-    assert hist.get("Mul", 0) >= 5 and "Div" in hist
+@pytest.mark.parametrize("family", EXTRA_FAMILIES)
+def test_stateless_extra_families(family: str) -> None:
+    """The export equals torch; Granite's four multipliers are in it (Mul/Div by constants)."""
+    hist = check_stateless("stateless", family, 20)
+    assert "Softmax" in hist and "MatMul" in hist
+    if family == "granite":
+        assert hist.get("Mul", 0) >= 5 and "Div" in hist
 
 
 @pytest.mark.parametrize("family", ["opt", "gptj", "codegen"])  # cohere: the TorchScript exporter fails
@@ -103,7 +106,7 @@ def test_optimum_kv_position_families(family: str) -> None:
 
 def test_position_families_are_perturbed_away_from_defaults() -> None:
     """Norm gains and biases are not their HF init (1 and 0), so a dropped norm or bias shows."""
-    for family in (*POSITION_FAMILIES, *MULTIPLIER_FAMILIES):
+    for family in (*POSITION_FAMILIES, "granite", "starcoder2"):  # OLMo's norms have no parameters
         vectors = [p for _, p in zoo.hf_model(family).named_parameters() if p.dim() == 1]
         assert vectors and all(float((p - p.round()).abs().max()) > 0.01 for p in vectors), family
 

@@ -3,8 +3,8 @@
 Families (:data:`FAMILIES`): the core ones every export route is tested on (:data:`CORE_FAMILIES`:
 ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``), the families whose
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
-``codegen``, ``cohere``), and ``granite`` (:data:`MULTIPLIER_FAMILIES`: scalar multipliers that
-raising folds into weights). 2 layers, hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2,
+``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
+``olmo``). 2 layers, hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2,
 OPT, GPT-J and CodeGen have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
@@ -123,6 +123,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # (instead of head_dim^-0.5) and the logits (divided), none of them 1
     "granite": dict(model_type="granite", embedding_multiplier=3.5, residual_multiplier=0.3,
                     attention_multiplier=0.15, logits_scaling=2.5, **_COMMON),
+    # LayerNorm with bias, GELU MLP (c_fc/c_proj) and q/k/v/o with biases, GQA, RoPE; no window
+    # (a window shorter than the context is a feature of its own)
+    "starcoder2": dict(model_type="starcoder2", sliding_window=None, **_COMMON),
+    # OLMo (v1): LayerNorm with neither gain nor bias, SwiGLU, RoPE
+    "olmo": dict(model_type="olmo", **_COMMON),
 }
 
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
@@ -130,8 +135,9 @@ CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistr
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
 #: rows gathered at Range, frequencies times Range). OPT compiles; the others' rotary does not yet.
 POSITION_FAMILIES: tuple[str, ...] = ("opt", "gptj", "codegen", "cohere")
-#: Families whose scalar multipliers raising folds into weights (raise-rows).
-MULTIPLIER_FAMILIES: tuple[str, ...] = ("granite",)
+#: More families the megakernel runs: Granite's scalar multipliers (raising folds them into weights),
+#: Starcoder2's biases and GELU MLP, OLMo's parameter-free LayerNorm.
+EXTRA_FAMILIES: tuple[str, ...] = ("granite", "starcoder2", "olmo")
 
 _WEIGHT_STD = 0.125  # 1/sqrt(hidden): unit-scale activations
 _VECTOR_STD = 0.1

@@ -7,7 +7,7 @@ it holds no code of its own, only the names of the modules that do the work:
 - :mod:`zlc.testing.families` -- the tiny, deterministic, random-weight Hugging Face decoders
   (:data:`FAMILIES`: the core ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, and
   ``llama-chat`` with its byte-level ChatML tokenizer; ``opt``, ``gptj``, ``codegen``, ``cohere``,
-  whose positions are arithmetic the KV cache rebases; ``granite``, with scalar multipliers), their configs and KV-cache geometry;
+  whose positions are arithmetic the KV cache rebases; ``granite``, ``starcoder2``, ``olmo``), their configs and KV-cache geometry;
 - :mod:`zlc.testing.export` -- the ``torch.onnx.export`` kinds: ``stateless`` /
   ``stateless_sdpa`` (dynamo, ``input_ids -> logits``), ``stateless_f16`` / ``stateless_bf16`` (the
   same in half precision) and ``optimum_kv`` / ``optimum_kv_dynamo`` (Optimum-style KV cache), with
