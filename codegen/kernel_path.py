@@ -74,10 +74,7 @@ def task_path(code: KernelCode, ev: Evaluator, op: int, n_waits: int, kv: bool =
     body = _body_for(code, ev, op)
     best: tuple[tuple[int, int, int], list[tuple[str, int]]] | None = None
     decisions: set[int] = set()
-    # first with impossible paths pruned; where that finds no whole path in its budget (the
-    # dead ends multiply behind branches it cannot tell), as before: every open branch entered
-    walked = _walk(code, ev, body, limit, decisions, prune=True) or _walk(code, ev, body, limit, decisions, prune=False)
-    for path in walked:
+    for path in _walk(code, ev, body, limit, decisions):
         seq = _flatten(code, path, ev, n_waits)
         nw = sum(1 for k, x in seq if k == "i" and x in code.weight)
         key = (int(any(k == "i" and code.where[x] == body for k, x in seq)), nw, sum(k == "l" for k, _ in seq), len(seq))
@@ -119,7 +116,7 @@ def _body_for(code: KernelCode, ev: Evaluator, op: int) -> str | None:
     return names[0] if names else None
 
 
-def _walk(code: KernelCode, ev: Evaluator, body: str | None, limit: int, decisions: set[int], prune: bool
+def _walk(code: KernelCode, ev: Evaluator, body: str | None, limit: int, decisions: set[int]
           ) -> list[list[tuple[str, int]]]:
     """Paths from the task loop's head back to it: ("b", block) and ("l", loop header) items, an
     inner loop entered once and left at its exits."""
@@ -128,8 +125,7 @@ def _walk(code: KernelCode, ev: Evaluator, body: str | None, limit: int, decisio
     header = tl.header
     paths: list[list[tuple[str, int]]] = []
     stack: list[tuple[int, list[tuple[str, int]], frozenset[int]]] = [(header, [], frozenset())]
-    pruned = 0
-    while stack and len(paths) < limit and pruned < 16 * limit:
+    while stack and len(paths) < limit:
         b, path, seen = stack.pop()
         if (path and b == header) or b not in tl.blocks or b in seen:
             paths.append(path)
@@ -148,18 +144,9 @@ def _walk(code: KernelCode, ev: Evaluator, body: str | None, limit: int, decisio
         succ = code.successors(b, ev, body)
         succ = [s for s in succ if s in tl.blocks] or succ  # stay in the loop: the task runs
         nxt = [*path, ("b", b)]
-        if prune and len(cfg.blocks[b].succs) > 1:
-            # a branch whose every way on runs code the task provably skips ends an impossible
-            # path (an `if` the evaluator could not tell led here): drop it early, so the limit
-            # is spent on possible paths. Only when every way is skipped: ptxas tail-merges code
-            # of several arms under one arm's line (the release after the bodies), so one
-            # provably skipped successor alone proves nothing
-            if all(code.block_executes(s, ev) is False for s in succ):
-                pruned += 1
-                continue
         for s in reversed(succ):
             stack.append((s, nxt, seen | {b}))
-    return paths if paths or not prune else []
+    return paths
 
 
 def _flatten(code: KernelCode, path: list[tuple[str, int]], ev: Evaluator, n_waits: int) -> list[tuple[str, int]]:
