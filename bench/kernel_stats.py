@@ -93,6 +93,8 @@ def main() -> int:
 
     reports = [bundle_report(b, targets=[t for t in targets if t in _gpu_targets(b)] or None, context=a.context)
                for b in bundles]
+    for r in reports:
+        _add_goals(r)
     if a.save_json is not None:
         a.save_json.write_text(json.dumps(reports, indent=1))
     if a.json:
@@ -103,6 +105,27 @@ def main() -> int:
         for r in reports:
             print(render_text(r))
     return 0
+
+
+# Issue 12's absolute goal next to the per-target checks: the Llama-3.2-1B shape at Hazy Research's
+# measured 0.76 ms per token on H200 (the 1.6x-floor goal is SmolLM2's; both are in the report).
+GOALS_US = {("llama-1b-shape", "h200"): 760.0}
+
+
+def _add_goals(rep: dict[str, object]) -> None:
+    targets = rep["targets"]
+    assert isinstance(targets, dict)
+    for tg, entry in targets.items():
+        goal = GOALS_US.get((str(rep["model"]), tg))
+        if goal is None:
+            continue
+        us = entry["prediction"]["us"]["central"]
+        floor = entry["prediction"]["floor_us"]["central"]
+        entry["checks"].append({
+            "target": f"predicted decode <= {goal:g} µs (Hazy Research's H200 megakernel)",
+            "value": f"{us:,.1f} µs", "met": us <= goal,
+            "stopped_by": "" if us <= goal else f"{us - goal:,.0f} µs over; the floor alone is {floor:,.0f} µs, so the "
+                          "per-level latency term of the 1.6x-floor check is what stops it (same critical path)"})
 
 
 def _gpu_targets(bundle: Path) -> list[str]:

@@ -98,12 +98,20 @@ def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFac
         f"{', '.join(narrow)} on the path of {sum(c['tasks'] for c in mv if set(c['weight_opcodes']) & set(narrow))}"
         " tasks (shapes the specialized bodies do not cover: the masked fallback)" if narrow else "no weight load found")
     per_sm = dec.programs_per_sm
-    flights = [(c["in_flight_bytes"] * per_sm, c) for c in mv]
+    found = [c for c in mv if c["weight_opcodes"]]
+    lost = sum(c["tasks"] for c in mv if not c["weight_opcodes"])
+    flights = [(c["in_flight_bytes"] * per_sm, c) for c in found]
     lo = min(flights, key=lambda fc: fc[0], default=(0, None))
+    note = f" ({lost} tasks: no weight load found on their path, unpriced)" if lost else ""
+    why = ""
+    if lo[1] is not None:
+        whole = lo[0] >= lo[1]["weight_bytes"]
+        why = (f"{_kb(lo[0])} in {'/'.join(lo[1]['variants']) or lo[1]['body']}: " + (
+            f"a task's whole weight slice is {_kb(lo[1]['weight_bytes'])}; more in flight needs wider tasks" if whole
+            else f"of its {_kb(lo[1]['weight_bytes'])} slice (the body's prefetch depth)"))
     add(f">= {IN_FLIGHT_TARGET // 1024} KB of weights in flight per SM (matrix-vector)",
-        "/".join(sorted({_kb(f) for f, _ in flights})) or "-", bool(flights) and lo[0] >= IN_FLIGHT_TARGET,
-        f"{_kb(lo[0])} in {lo[1]['body']} {'/'.join(lo[1]['variants'])}: a task's whole weight slice is "
-        f"{_kb(lo[1]['weight_bytes'])} (rows x K of one task); more in flight needs wider tasks" if lo[1] else "")
+        ("/".join(_kb(f) for f in sorted({f for f, _ in flights})) or "-") + note,
+        bool(flights) and lo[0] >= IN_FLIGHT_TARGET, why or "no weight load found on any matrix-vector path")
     early = [c for c in mv if c["path"]["prefetch_per_thread"] > 0 and c["path"]["polls"] > 0]
     waited = [c for c in mv if c["path"]["polls"] > 0]
     add("weights requested before the task waits", f"{sum(c['tasks'] for c in early)} of "
