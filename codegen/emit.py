@@ -88,7 +88,6 @@ class GemvBody:
     depth: int  # chunks in flight per stream
     block_n: int
     item: int  # bytes per weight
-    head_d: int = 0  # norm 3: the attention partials' head size (0: not known to be one size)
 
     @property
     def name(self) -> str:
@@ -102,14 +101,6 @@ class GemvBody:
     @property
     def distinct_sizes(self) -> list[int]:
         return sorted({c.size for c in self.chunks})
-
-    def whole_heads(self, c: Chunk) -> bool:
-        """Norm 3: chunk `c` covers whole heads (a power of two of them), so each head's split
-        statistics are read once, not once per column (per column, an o projection of 2048
-        columns and 8 splits spills on sm_90)."""
-        d = self.head_d
-        return (self.norm == 3 and d > 0 and d & (d - 1) == 0 and c.lo % d == 0 and c.size % d == 0
-                and (c.size // d) & (c.size // d - 1) == 0)
 
     @property
     def inflight_kb(self) -> float:
@@ -139,7 +130,6 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
     both, so tiny models unroll into many chunks prefetched a few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
     shapes = set()
-    heads: dict[int, set[int]] = {}  # K of a merged (norm 3) row -> the head sizes of its partials
     for p in programs:
         for tasks in p.tables.values():
             for t in tasks:
@@ -147,11 +137,8 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                     di = p.desc_int[t.desc]
                     norm = int(di[10])
                     shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0))
-                    if norm == 3:
-                        heads.setdefault(int(di[2]), set()).add(int(di[12]))
     out = []
     for k, norm, ln_bias, gated in sorted(shapes):
-        hd = heads.get(k, set()) if norm == 3 else set()
         chunks = chunk_plan(k, max_chunk)
         if chunks is None:
             continue
@@ -159,7 +146,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         while depth < len(chunks) and got < prefetch_bytes:
             got += chunks[depth].size * block_n * item * (2 if gated else 1)
             depth += 1
-        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, hd.pop() if len(hd) == 1 else 0))
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item))
     return out
 
 
