@@ -200,8 +200,8 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
 
 # What an op-level region of the decode graph most likely is, by the ops it holds and where it sits
 # (first match wins). The scheduler only knows that an op has no lowering; this names the feature.
-_ROTARY = ("rotary embedding that raising did not recognise (partial or interleaved rotary: GPT-J, "
-           "CodeGen, Cohere, GPT-NeoX, Phi-2, StableLM)")
+_ROTARY = ("rotary embedding that raising did not recognise (rotate-half and interleaved pairs, full or "
+           "partial, on [B, H, T, D] or [B, T, H, D] raise: Llama, GPT-J, CodeGen, Cohere, GPT-NeoX, Phi-2, StableLM)")
 _NORM = ("a normalization that raising did not recognise (q/k norms: Qwen3, OLMo 2; Cohere's bias-free "
          "LayerNorm raises)")
 _LOGITS = ("a multiplier on the logits after the LM head with no raised norm before the head to take it "
@@ -209,11 +209,11 @@ _LOGITS = ("a multiplier on the logits after the LM head with no raised norm bef
 _FLAT = ("the residual stream reshaped to [T, hidden] around ops that are not all row-wise (raise-rows "
          "unflattens OPT's feed-forward block; `zlc inspect --explain` says why this one stayed): Reshape "
          "and the residual Adds after it")
-_PARALLEL = ("a residual Add no projection's epilogue can take (parallel attention + MLP blocks: GPT-J, "
-             "CodeGen, Cohere, GPT-NeoX, Falcon, Phi-2)")
+_PARALLEL = ("a residual Add no projection's epilogue can take (a parallel attention + MLP block's sum "
+             "re-associates into (x + attn) + mlp when both terms are projections: GPT-J, CodeGen, "
+             "Cohere, GPT-NeoX, Phi-2; this one's are not)")
 _AFTER = ("residual Adds after the ops above (one fuses into a projection's epilogue once that "
-          "projection lowers; a parallel attention + MLP block's 3-way sum never does: GPT-J, CodeGen, "
-          "Cohere, GPT-NeoX)")
+          "projection lowers; a parallel block's 3-way sum re-associates once both its projections do)")
 _LAYOUT = "a reshape between transformer ops the kernel does not fuse"
 _QSCALE = ("an attention scale applied to a projection as a Mul that raise-rows could not fold into it "
            "(OPT's q scale folds)")

@@ -61,10 +61,13 @@ def positions_value(g: Graph, cos: Value) -> Value | str:
     return memo["positions"]
 
 
-def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Tensor, torch.Tensor] | str:
+def rotary_tables(g: Graph, cos: Value, sin: Value, half: int, interleaved: bool = False,
+                  tokens_first: bool = False) -> tuple[torch.Tensor, torch.Tensor] | str:
     """Evaluates cos/sin at every position up to max_seq, checks they are one table indexed by
-    position (consistent across probes), and returns the [P, half] tables."""
-    key = ("rope", id(cos), id(sin), half)
+    position (consistent across probes), and returns the [P, half] tables. A full-width table
+    repeats each frequency: in halves (rotate-half layout) or, `interleaved`, pairwise.
+    `tokens_first`: cos/sin are [.., T, 1, R] (rotating [B, T, H, D] before the heads' transpose)."""
+    key = ("rope", id(cos), id(sin), half, interleaved, tokens_first)
     memo = _cache(g)
     if key in memo:
         return memo[key]  # type: ignore[no-any-return]
@@ -77,6 +80,8 @@ def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Te
     if isinstance(full, str):
         memo[key] = full
         return full
+    if tokens_first:
+        full = [t.transpose(-2, -3) for t in full]
     tabs = []
     for t in full:
         if t.shape[-2] != p_max or t.shape[-1] not in (half, 2 * half):
@@ -87,7 +92,12 @@ def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Te
             memo[key] = "rotary table differs across batch/head rows"
             return memo[key]  # type: ignore[no-any-return]
         tab = rows[0]
-        if t.shape[-1] == 2 * half:
+        if t.shape[-1] == 2 * half and interleaved:
+            if not torch.equal(tab[:, 0::2], tab[:, 1::2]):
+                memo[key] = "rotary table pairs differ (not the interleaved layout)"
+                return memo[key]  # type: ignore[no-any-return]
+            tab = tab[:, 0::2]
+        elif t.shape[-1] == 2 * half:
             if not torch.equal(tab[:, :half], tab[:, half:]):
                 memo[key] = "rotary table halves differ (not the rotate-half layout)"
                 return memo[key]  # type: ignore[no-any-return]
@@ -101,7 +111,8 @@ def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Te
             memo[key] = got
             return got
         for t, tab in zip(got, tabs, strict=False):
-            row = t.reshape(-1, pr.seq, t.shape[-1])[0][:, :half]
+            row = (t.transpose(-2, -3) if tokens_first else t).reshape(-1, pr.seq, t.shape[-1])[0]
+            row = row[:, 0::2] if interleaved and row.shape[-1] == 2 * half else row[:, :half]
             if not torch.allclose(row, tab[pr.past:pr.past + pr.seq], atol=1e-6):
                 memo[key] = f"rotary values at past={pr.past} are not the table rows (not position-indexed)"
                 return memo[key]  # type: ignore[no-any-return]
@@ -109,7 +120,8 @@ def rotary_tables(g: Graph, cos: Value, sin: Value, half: int) -> tuple[torch.Te
     return memo[key]  # type: ignore[no-any-return]
 
 
-def _table_consts(g: Graph, cos: Value, sin: Value, tabs: tuple[torch.Tensor, torch.Tensor]) -> tuple[Value, Value]:
+def table_consts(g: Graph, cos: Value, sin: Value, tabs: tuple[torch.Tensor, torch.Tensor]) -> tuple[Value, Value]:
+    """The [P, R/2] tables as constants, one pair per (cos, sin) however many rules read them."""
     key = ("rope_consts", id(cos), id(sin))
     memo = _cache(g)
     if key not in memo:
@@ -151,7 +163,7 @@ def _check_rope(m: Match) -> str | None:
 
 
 def _rw_rope(m: Match, g: Graph) -> Pairs:
-    c, s = _table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
+    c, s = table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
     return [(m.root.output, new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=0))]
 
 
@@ -184,7 +196,7 @@ def _check_rope_tables(m: Match) -> str | None:
 
 
 def _rw_rope_tables(m: Match, g: Graph) -> Pairs:
-    c, s = _table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
+    c, s = table_consts(g, m["cos"], m["sin"], m.fact("tabs"))
     interleaved = m.root.attrs.get("interleaved", 0)
     return [(m.root.output, new_node(g, "RoPE", [m["x"], c, s, m["pos"]], "rope", interleaved=interleaved))]
 

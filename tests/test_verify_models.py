@@ -116,7 +116,7 @@ def test_zlc_run_onnx_gives_hugging_faces_greedy_tokens(family: str) -> None:
     assert json.loads(res.stdout)["generated"] == _hf_greedy(family)
 
 
-@pytest.mark.parametrize("family", [*POSITION_FAMILIES, "granite"])
+@pytest.mark.parametrize("family", [*POSITION_FAMILIES, "granite", "stablelm", "phi", "gpt_neox"])
 def test_the_torch_export_route_gives_hugging_faces_greedy_tokens(family: str) -> None:
     import torch
 
@@ -128,14 +128,20 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens(family: str) -
     assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy(family)
     from zlc.verifier import megakernel_fit
 
-    assert megakernel_fit(lowered.decode, lowered.max_seq).compilable == (family in ("opt", "granite"))
+    # GPT-J and CodeGen through torch.export: their sin/cos rows' lookup reads input_ids there
+    # ("rotary tables depends on the values of input 'input_ids'"): their rotary stays op-level
+    assert megakernel_fit(lowered.decode, lowered.max_seq).compilable == (family not in ("gptj", "codegen"))
 
 
-@pytest.mark.parametrize(("kind", "family"), [("stateless", f) for f in ("gptj", "codegen", "cohere")]
-                         + [("optimum_kv", f) for f in ("gptj", "codegen")])
-def test_position_families_verify_but_do_not_fit_the_megakernel_yet(kind: str, family: str) -> None:
-    """The numbers agree with ONNX Runtime; the report says the kernel cannot run them yet, and why
-    (their rotary embedding stays op-level: partial, interleaved)."""
+@pytest.mark.parametrize(("kind", "family"), [("stateless", "codegen"), ("optimum_kv", "gptj")])
+def test_a_refused_rotary_verifies_but_does_not_fit_the_megakernel(kind: str, family: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With their interleaved rotary refused by raising (a model whose rotary raising does not
+    recognise), the numbers still agree with ONNX Runtime; the report says the kernel cannot run it,
+    and why."""
+    from zlc.passes import raise_rope_forms
+
+    monkeypatch.setattr(raise_rope_forms, "rotary_tables", lambda *a, **k: "refused for the test")
     rep = verify(zoo.cached(kind, family, 20), steps=8, max_seq=64)
     assert rep.ok, rep.summary()
     assert not rep.compilable and rep.megakernel
@@ -149,15 +155,26 @@ def test_position_families_verify_but_do_not_fit_the_megakernel_yet(kind: str, f
 # Granite's residual multipliers fold into the o_proj / down_proj weights, its logits_scaling into
 # the final norm's gain; its embedding multiplier is the kernel's embedding scale (Gemma's).
 # Starcoder2 (biases, GELU MLP, LayerNorm) and OLMo (parameter-free LayerNorm) needed nothing new.
+# StableLM, Phi-2, GPT-NeoX: partial rotary is one RoPE over the head (rope_partial); Phi-2's and
+# GPT-NeoX's parallel blocks sum (x + attn) + mlp, each Add a projection's epilogue, and GPT-NeoX's
+# per-head fused QKV becomes three projections (raise-blocks, passes/raise_blocks.py). Cohere's
+# interleaved rotary (x*cos + flatten(stack(-x[..., 1::2], x[..., ::2]))*sin) is RoPE(interleaved=1);
+# GPT-J's is the same on the first 8 features of [B, T, H, D], before the heads' transpose;
+# CodeGen's fused QKV in mp_num groups ([q_g v_g k_g]) is three projections like GPT-NeoX's.
+
+ROTARY_FAMILIES = ["stablelm", "phi", "gpt_neox", "cohere", "gptj", "codegen"]
+
 
 @pytest.mark.parametrize(("kind", "family"), [("stateless", "opt"), ("optimum_kv", "opt"), ("stateless", "granite"),
-                                              ("stateless", "starcoder2"), ("stateless", "olmo")])
+                                              ("stateless", "starcoder2"), ("stateless", "olmo"),
+                                              *[("stateless", f) for f in ROTARY_FAMILIES],
+                                              ("optimum_kv", "gptj"), ("optimum_kv", "codegen")])
 def test_verifies_and_fits_the_megakernel(kind: str, family: str) -> None:
     rep = verify(zoo.cached(kind, family, 20), steps=8, max_seq=64)
     assert rep.ok and rep.compilable, (rep.summary(), rep.megakernel)
 
 
-@pytest.mark.parametrize("family", ["opt", "granite", "starcoder2", "olmo"])
+@pytest.mark.parametrize("family", ["opt", "granite", "starcoder2", "olmo", *ROTARY_FAMILIES])
 def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -> None:
     """`zlc compile` (verified against ONNX Runtime), then the bundle's Triton kernel in the
     interpreter and its native C kernel: both print Hugging Face's greedy tokens."""

@@ -4,8 +4,8 @@ Families (:data:`FAMILIES`): the core ones every export route is tested on (:dat
 ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``), the families whose
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
-``olmo``). 2 layers, hidden 64, 4 heads (head_dim 16), 2 KV heads (GQA; GPT-2,
-OPT, GPT-J and CodeGen have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
+``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``). 2 layers, hidden 64, 4 heads
+(head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
 attention that is far from uniform), every vector (norm weights, biases) is its HF init plus
@@ -128,6 +128,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "starcoder2": dict(model_type="starcoder2", sliding_window=None, **_COMMON),
     # OLMo (v1): LayerNorm with neither gain nor bias, SwiGLU, RoPE
     "olmo": dict(model_type="olmo", **_COMMON),
+    # partial rotary (rotate-half on the first 4 of 16 head dims), LayerNorm with bias, SwiGLU,
+    # sequential residuals (use_parallel_residual=False, StableLM 2's default)
+    "stablelm": dict(model_type="stablelm", **_COMMON),
+    # Phi-2: partial rotary (8 of 16 dims), parallel attention + GELU MLP off one LayerNorm, biases
+    # everywhere, LM head with bias
+    "phi": dict(model_type="phi", **_COMMON),
+    # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
+    # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                     intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
+                     eos_token_id=2),
 }
 
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
@@ -136,8 +147,9 @@ CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistr
 #: rows gathered at Range, frequencies times Range). OPT compiles; the others' rotary does not yet.
 POSITION_FAMILIES: tuple[str, ...] = ("opt", "gptj", "codegen", "cohere")
 #: More families the megakernel runs: Granite's scalar multipliers (raising folds them into weights),
-#: Starcoder2's biases and GELU MLP, OLMo's parameter-free LayerNorm.
-EXTRA_FAMILIES: tuple[str, ...] = ("granite", "starcoder2", "olmo")
+#: Starcoder2's biases and GELU MLP, OLMo's parameter-free LayerNorm; StableLM, Phi-2 and GPT-NeoX
+#: with partial rotary (Phi-2 and GPT-NeoX with parallel blocks, GPT-NeoX with per-head fused QKV).
+EXTRA_FAMILIES: tuple[str, ...] = ("granite", "starcoder2", "olmo", "stablelm", "phi", "gpt_neox")
 
 _WEIGHT_STD = 0.125  # 1/sqrt(hidden): unit-scale activations
 _VECTOR_STD = 0.1
