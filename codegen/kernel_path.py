@@ -66,7 +66,7 @@ class PathFacts:
         return d
 
 
-def task_path(code: KernelCode, ev: Evaluator, op: int, n_waits: int, kv: bool = False, limit: int = 24) -> PathFacts:
+def task_path(code: KernelCode, ev: Evaluator, op: int, n_waits: int, kv: bool = False, limit: int = 96) -> PathFacts:
     """The path of the evaluator's task (op code `op`, `n_waits` waits; `kv`: it reads the KV
     cache, and the loop on its path that moves the most bytes is that stream). Loops that load
     weights are the stream too. Among paths the branches leave open, the one with the most weight
