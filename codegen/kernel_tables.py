@@ -182,16 +182,10 @@ def _union_length(ranges: list[tuple[int, int]]) -> int:
 def levels_of(rows: list[dict[str, Any]]) -> list[int]:
     """Dependency level of each task: 1 + the deepest task it waits for (no waits: level 1). An
     event's signallers are the tasks signalling it directly and, for a parent event, every task of
-    the groups that bump it. Tables are in topological order."""
-    sig: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        if r["signal"] >= 0:
-            sig.setdefault(r["signal"], []).append(i)
-        if r["parent"] >= 0:
-            sig.setdefault(r["parent"], []).append(i)
+    the groups that bump it (`waits_of`). Tables are in topological order."""
     lv = [0] * len(rows)
-    for i, r in enumerate(rows):
-        lv[i] = 1 + max([lv[j] for e, _ in r["waits"] for j in sig.get(e, ()) if j < i] + [0])
+    for i, waits in enumerate(waits_of(rows)):
+        lv[i] = 1 + max([lv[j] for w in waits for j in w] + [0])
     return lv
 
 

@@ -151,7 +151,12 @@ def _check_rope(m: Match) -> str | None:
         return _NO_ROPE
     if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[-1], int):
         return "rotated tensor is not [B, H, T, D]"
-    tabs = rotary_tables(g, m["cos"], m["sin"], x.shape[-1] // 2)
+    return bind_rotary(m, g, rotary_tables(g, m["cos"], m["sin"], x.shape[-1] // 2))
+
+
+def bind_rotary(m: Match, g: Graph, tabs: Any) -> str | None:
+    """A RoPE match's tables (`rotary_tables`' result) and the positions they are indexed by, kept
+    on the match for the rewrite; or why not."""
     if isinstance(tabs, str):
         return tabs
     pos = positions_value(g, m["cos"])

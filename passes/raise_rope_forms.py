@@ -13,7 +13,7 @@ from zlc.ir import Graph, Node, Value
 
 from .match import slice_bounds
 from .pattern import scalar
-from .raise_attention import positions_value, rotary_tables, table_consts
+from .raise_attention import bind_rotary, rotary_tables, table_consts
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
@@ -53,14 +53,7 @@ def _check_rope_pairs(m: Match) -> str | None:
         return "cos/sin do not run along the rotated tensor's token axis ([B, H, T, D] or [B, T, H, D])"
     tabs = rotary_tables(g, m["cos"], m["sin"], x.shape[-1] // 2, interleaved=True, tokens_first=tokens_first)
     m.note("tokens_first", tokens_first)
-    if isinstance(tabs, str):
-        return tabs
-    pos = positions_value(g, m["cos"])
-    if isinstance(pos, str):
-        return pos
-    m.note("tabs", tabs)
-    m.bind("pos", pos)
-    return None
+    return bind_rotary(m, g, tabs)
 
 
 _SWAP = [0, 2, 1, 3]
