@@ -47,6 +47,10 @@ DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
 # ~4.3 TB/s x ~0.7 us over 132 SMs is ~22 KB per SM; the A10 (0.6 TB/s, 72 SMs) needs less.
 PREFETCH_BYTES = 32 * 1024
 MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
+# A gated body streams two matrices: 256-column chunks put 32 KB in one chunk, so it ran one chunk
+# ahead and held two (64 KB: the Llama-1B shape's K = 2048 body spilled on sm_86 and sm_90); in
+# 128-column chunks the same 32 KB is two chunks ahead and three are held (48 KB of registers).
+GATED_MAX_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,12 @@ class GemvBody:
     depth: int  # chunks in flight per stream
     block_n: int
     item: int  # bytes per weight
+    head_d: int = 0  # norm 3 (merged from split-KV partials): the attention's head size, a literal in the body
 
     @property
     def name(self) -> str:
         return (f"_gemv_k{self.k}" + ("", "_rms", "_ln", "_merged")[self.norm] + ("b" if self.ln_bias else "")
-                + ("_gated" if self.gated else ""))
+                + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else ""))
 
     @property
     def sizes(self) -> str:
@@ -136,17 +141,18 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 if t.op == fmt.OP_LINEAR:
                     di = p.desc_int[t.desc]
                     norm = int(di[10])
-                    shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0))
+                    shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
+                                int(di[12]) if norm == pg.NORM_COMBINE else 0))
     out = []
-    for k, norm, ln_bias, gated in sorted(shapes):
-        chunks = chunk_plan(k, max_chunk)
+    for k, norm, ln_bias, gated, head_d in sorted(shapes):
+        chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated else max_chunk)
         if chunks is None:
             continue
         depth, got = 0, 0
         while depth < len(chunks) and got < prefetch_bytes:
             got += chunks[depth].size * block_n * item * (2 if gated else 1)
             depth += 1
-        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item))
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d))
     return out
 
 
