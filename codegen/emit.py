@@ -47,10 +47,13 @@ DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
 # ~4.3 TB/s x ~0.7 us over 132 SMs is ~22 KB per SM; the A10 (0.6 TB/s, 72 SMs) needs less.
 PREFETCH_BYTES = 32 * 1024
 MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
-# A gated body streams two matrices: 256-column chunks put 32 KB in one chunk, so it ran one chunk
-# ahead and held two (64 KB: the Llama-1B shape's K = 2048 body spilled on sm_86 and sm_90); in
-# 128-column chunks the same 32 KB is two chunks ahead and three are held (48 KB of registers).
+# A gated body streams two matrices: 256-column chunks put 32 KB in one chunk, so it runs one chunk
+# ahead and holds two (64 KB: the Llama-1B shape's K = 2048 body spilled on sm_86 and sm_90). A
+# long row (K >= GATED_SPLIT_K) unrolls in 128-column chunks: the same 32 KB is two chunks ahead and
+# three are held (48 KB of registers). A short one keeps 256 (SmolLM2's 576 = 256 + 256 + 64 has
+# 56 KB in flight so, 32 KB in 128-column chunks: the latency model priced that 12 us slower on h200).
 GATED_MAX_CHUNK = 128
+GATED_SPLIT_K = 1024
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                                 int(di[12]) if norm == pg.NORM_COMBINE else 0))
     out = []
     for k, norm, ln_bias, gated, head_d in sorted(shapes):
-        chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated else max_chunk)
+        chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
         depth, got = 0, 0
