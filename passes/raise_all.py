@@ -13,6 +13,7 @@ from zlc.ir import Graph
 from .raise_attention import (
     ATTENTION,
     ATTENTION_GQA,
+    HEADS_NORM,
     HEADS_ROUNDTRIP,
     MERGE_HEADS,
     ROPE,
@@ -49,7 +50,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
-    ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
+    ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP, HEADS_NORM]),
     ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS]),
     ("raise-lm-head", [LM_HEAD]),
     ("raise-blocks", [HEADS_QKV, PARALLEL_RESIDUAL]),
