@@ -24,10 +24,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
 from zlc.reference.evaluate import evaluate as run_nodes
+from zlc.reference.kernels import const_tensor
 
 from . import probe
+from .raise_attention import unrepeat_kv
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
@@ -182,8 +185,8 @@ def _columns(g: Graph, lin: Node, out: Value) -> torch.Tensor | str:
             if n is lin:
                 env[id(y)] = ids
             else:
-                run_nodes([n], env, fetch=probe._probe_fetch)
-    except (ValueError, RuntimeError, IndexError, KeyError) as e:
+                run_nodes([n], env, fetch=const_tensor)
+    except (ZlcError, ValueError, RuntimeError, IndexError, KeyError) as e:
         return f"probe failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     got = env[id(out)]
     if got.dim() != 4 or got.shape[0] != 1 or got.shape[2] != _PROBE_T:
@@ -235,10 +238,8 @@ def repeat_kv(g: Graph, k0: Value, rep: int) -> Value:
 
 
 def _check_rope_of_repeat(m: Match) -> str | None:
-    from .raise_attention import _unrepeat_kv
-
     x = m["x"]
-    k0 = _unrepeat_kv(x)
+    k0 = unrepeat_kv(x)
     if k0 is x or k0.shape is None or x.shape is None:
         return "not RoPE of repeated KV heads"
     m.bind("k0", k0)
@@ -266,7 +267,7 @@ def _rw_heads_gather(m: Match, g: Graph) -> Pairs:
     ins = [lin.inputs[0], g.add_const(f"{w.name}.{tag}", np.asarray(w.data)[rows], unique=True)]
     if bias is not None:
         ins.append(g.add_const(f"{bias.name}.{tag}", np.asarray(bias.data)[rows], unique=True))
-    hkv, d = int(cols.shape[0]), int(cols.shape[1])
+    hkv = int(cols.shape[0])
     out = new_node(g, "SplitHeads", [new_node(g, "Linear", ins, "linear")], "split_heads", heads=hkv)
     if rep > 1:
         out = repeat_kv(g, out, rep)
