@@ -16,6 +16,11 @@ Each IR value the kernel materializes gets a view (a buffer, a norm to fuse, spl
 each op kind has an `op_<Kind>` method that emits its tasks with the regions they read and write,
 which is all the event derivation (schedule.py) looks at. Buffers, constants and descriptors are
 placed through `pack.Layout`.
+
+Why one module (over 600 lines): the lowering is one walk over the graph in which every op's method
+reads the views its producers left (a norm to fuse, heads with their RoPE and q/k norm, partials to
+merge) and decides what its consumers may fuse; split by op kind, that one table of views and the
+fusion decisions that read it would be spread over several modules.
 """
 
 from __future__ import annotations
@@ -499,6 +504,10 @@ class TaskBuilder:
         cv = self.buffer(f"cache.{layer}.value", D, rows=hkv * self.max_seq)
         kr = k.rope or rope
         qn, kn = q.norm, k.norm
+        if qn and kn and qn.eps != kn.eps:
+            raise ScheduleError(f"node '{n.name}' (Attention): q and k norms with different eps ({qn.eps}, "
+                                f"{kn.eps}); the kernel's descriptor holds one")
+        qk_eps = qn.eps if qn else kn.eps if kn else 0.0
         t = self.t
         fused = t.fuse_kv_append
         if fused and k.rope is not None and q.rope is not None and k.rope != q.rope:
@@ -510,8 +519,8 @@ class TaskBuilder:
             0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
             3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
             7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D,
-            # k's q/k norm (21 gains or -1, 23 bit 0: over the whole projection row; eps in float 2)
-            21: kn.w if kn else -1, 23: int(bool(kn and kn.whole))}, {2: kn.eps if kn else 0.0})
+            # k's q/k norm (21 gains or -1, 23 bit 0: over the whole projection row; eps in float 3)
+            21: kn.w if kn else -1, 23: int(bool(kn and kn.whole))}, {3: kn.eps if kn else 0.0})
 
         appends_op = [Task(OP_CACHE_APPEND, d_app, h, reads=[_head_cols(k, h), Region(v.buf.name, h * D, (h + 1) * D)],
                            writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
@@ -520,10 +529,17 @@ class TaskBuilder:
                     {"prefill": appends_op, "decode": [] if fused else copy.deepcopy(appends_op)})
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
-        floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0),
-                  2: qn.eps if qn else 0.0, 3: kn.eps if kn else 0.0}
+        slopes = [float(x) for x in n.attrs.get("alibi") or []]
+        if slopes and len(slopes) != hq:
+            raise ScheduleError(f"node '{n.name}' (Attention): {len(slopes)} ALiBi slopes for {hq} heads")
 
-        def attn_desc(mode: str, partial: int, split_len: int) -> int:
+        def attn_desc(mode: str, partial: int, split_len: int) -> list[int]:
+            """The descriptor of each head: one shared, or one per head with its ALiBi slope."""
+            return [one_desc(mode, partial, split_len, sl) for sl in slopes] or \
+                [one_desc(mode, partial, split_len, 0.0)] * hq
+
+        def one_desc(mode: str, partial: int, split_len: int, slope: float) -> int:
+            floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0), 2: slope, 3: qk_eps}
             return self.desc(f"{n.name}.attention.{mode}", {
                 0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
                 3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
@@ -534,7 +550,7 @@ class TaskBuilder:
                 16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
                 18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols,
                 # q/k norms applied on load (21 q's gains, 22 k's for the fused append, -1 none;
-                # 23 bit 0 / bit 1: q / k normed over the whole projection row; eps in floats 2, 3)
+                # 23 bit 0 / bit 1: q / k normed over the whole projection row; their eps in float 3)
                 21: qn.w if qn else -1, 22: kn.w if kn else -1,
                 23: int(bool(qn and qn.whole)) | 2 * int(bool(kn and kn.whole))}, floats)
 
@@ -555,14 +571,14 @@ class TaskBuilder:
 
         d_pre = attn_desc("prefill", -1, self.max_seq)
         nqb = -(-t.chunk // t.block_t)
-        prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h, "prefill"),
+        prefill = [Task(OP_ATTENTION, d_pre[h], h, qb, 0, reads=reads(h, "prefill"),
                         writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t)],
                         label=f"{n.name}.attention[h{h},q{qb}]")
                    for h in range(hq) for qb in range(nqb)]
         S = t.kv_splits
         if S <= 1:
             d_dec = attn_desc("decode", -1, self.max_seq)
-            decode = [Task(OP_ATTENTION, d_dec, h, 0, 0, reads=reads(h),
+            decode = [Task(OP_ATTENTION, d_dec[h], h, 0, 0, reads=reads(h),
                            writes=[Region(out.name, h * D, (h + 1) * D), *appends(h, True)],
                            label=f"{n.name}.attention[h{h}]") for h in range(hq)]
             self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
@@ -574,7 +590,7 @@ class TaskBuilder:
             # the split holding this step's key appends it (which split that is depends on past:
             # every split of the group's first head may, so each declares the write; the kernel
             # writes from the one whose range holds `past`)
-            decode = [Task(OP_ATTENTION, d_dec, h, 0, s, reads=reads(h),
+            decode = [Task(OP_ATTENTION, d_dec[h], h, 0, s, reads=reads(h),
                            writes=[Region(part.name, h * S + s, h * S + s + 1),
                                    *[Region(r.buffer, r.lo, r.hi, s, s + 1) for r in appends(h, True)]],
                            label=f"{n.name}.attention[h{h},s{s}]") for h in range(hq) for s in range(S)]
