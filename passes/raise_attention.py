@@ -1,4 +1,4 @@
-"""Raising rules for rotary embeddings and attention (causal mask, GQA, scale).
+"""Raising rules for rotary embeddings and attention (causal or sliding-window mask, GQA, scale).
 
 Both lean on semantic probing (probe.py): rotary cos/sin tensors and attention masks are computed
 from positions only, so evaluating them tells exactly what they are, whatever the exporter wrote.
@@ -304,19 +304,22 @@ def _check_attention(m: Match) -> str | None:
     assert k is not None
     if q.shape is None or len(q.shape) != 4:
         return "Q is not [B, H, T, D]"
+    window = 0
     if mask is not None:
         key = ("mask", id(mask), additive)
         memo = _cache(g)
         if key not in memo:
-            memo[key] = probe.classify_mask(g, mask, additive)
-        if memo[key] is not None:
+            memo[key] = probe.mask_window(g, mask, additive, _max_seq(g))
+        if isinstance(memo[key], str):
             return f"mask: {memo[key]}"
+        window = int(memo[key])
     m.bind("q", q)
     m.bind("k", k if new_k_transpose else _unrepeat_kv(k))
     m.bind("v0", _unrepeat_kv(m["v"]))
     m.note("k_from_bshd", bool(new_k_transpose))
     m.note("scale", scale)
     m.note("causal", mask is not None)
+    m.note("window", window)
     m.cover(qk)
     return None
 
@@ -325,8 +328,10 @@ def _rw_attention(m: Match, g: Graph) -> Pairs:
     k = m["k"]
     if m.fact("k_from_bshd"):
         k = _unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
-    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", scale=float(m.fact("scale")),
-                   causal=int(m.fact("causal")))
+    attrs: dict[str, Any] = {"scale": float(m.fact("scale")), "causal": int(m.fact("causal"))}
+    if m.fact("window"):
+        attrs["window"] = int(m.fact("window"))
+    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", **attrs)
     return [(m.node("pv").output, out)]
 
 
@@ -343,7 +348,7 @@ ATTENTION = Rule(
          then=P.or_(P.op("Cast", P.var("p"), out="p_cast", keep=True, then=_times_v("p_cast")), _times_v("p"),
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
-    doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+    doc="softmax(q k^T * scale + causal [sliding-window] mask) v, GQA repeats stripped -> Attention")
 
 
 # ---- head split / merge ------------------------------------------------------------------------

@@ -136,6 +136,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi": dict(model_type="phi", **_COMMON),
     # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
     # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
+    # sliding-window attention shorter than the context: each query attends over the last 4
+    # positions (itself included); Qwen2 windows only the layers from max_window_layers on (layer 1)
+    "mistral_win": dict(model_type="mistral", sliding_window=4, **_COMMON),
+    "qwen2_win": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1, **_COMMON),
+    "starcoder2_win": dict(model_type="starcoder2", sliding_window=4, **_COMMON),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
