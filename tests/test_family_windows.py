@@ -27,6 +27,7 @@ def _hf_greedy(family: str, prompt: list[int], new_tokens: int = NEW_TOKENS) -> 
     import torch
 
     model = zoo.hf_model(family)
+    model.generation_config.eos_token_id = None  # zlc run --prompt-ids does not stop at EOS (id 2)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,

@@ -141,6 +141,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral_win": dict(model_type="mistral", sliding_window=4, **_COMMON),
     "qwen2_win": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1, **_COMMON),
     "starcoder2_win": dict(model_type="starcoder2", sliding_window=4, **_COMMON),
+    # Gemma 2: local (window 4) and global layers alternating (layer_types: layer 0 sliding),
+    # attention-logit and final-logit soft-capping (c * tanh(x / c)), scores scaled by
+    # query_pre_attn_scalar^-0.5, sandwich (1 + w) RMSNorms around attention and MLP
+    "gemma2": dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, query_pre_attn_scalar=16, **_COMMON),
+    # Gemma 3: Gemma 2's layout without soft-capping, per-head q/k norms, a local rope theta on the
+    # sliding layer (layer_types spelled out: the default pattern windows every layer of two)
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"], **_COMMON),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
