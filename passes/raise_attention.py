@@ -251,6 +251,12 @@ def _unrepeat_kv(v: Value) -> Value:
     return k0
 
 
+def _uncapped(v: Value) -> Value:
+    """x's scale-stripped core when v = tanh([scale *] x) (a soft-cap's inside), else v."""
+    n = v.producer
+    return _peel_scale(n.inputs[0])[0] if n is not None and n.op == "Tanh" and n.inputs[0] is not None else v
+
+
 def _softmax_last_axis(m: Match) -> str | None:
     n = m.root
     if n.output.type.rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
@@ -267,7 +273,7 @@ def _check_attention(m: Match) -> str | None:
     sp = s.producer
     if sp is not None and sp.op == "Add":
         lhs, rhs = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
-        lcore, rcore = _peel_scale(lhs)[0], _peel_scale(rhs)[0]
+        lcore, rcore = _uncapped(_peel_scale(lhs)[0]), _uncapped(_peel_scale(rhs)[0])
         a0, a1 = sp.inputs[0], sp.inputs[1]
         assert a0 is not None and a1 is not None
         if prod(lcore, "MatMul") is not None and lcore.data is None:
@@ -285,6 +291,14 @@ def _check_attention(m: Match) -> str | None:
         else:
             return "inverted Where mask (fill on the true branch) is not supported"
     core, scale = _peel_scale(s)
+    softcap = 0.0
+    tanh = core.producer
+    if tanh is not None and tanh.op == "Tanh" and tanh.inputs[0] is not None:
+        # soft-capping (Gemma 2): c * tanh(a * q k^T) is Attention(scale=a * c, softcap=c)
+        if scale <= 0:
+            return "soft-capped scores with a non-positive cap"
+        core, inner = _peel_scale(tanh.inputs[0])
+        softcap, scale = scale, inner * scale
     qk = prod(core, "MatMul")
     if qk is None:
         return "scores are not a MatMul"
@@ -320,6 +334,7 @@ def _check_attention(m: Match) -> str | None:
     m.note("scale", scale)
     m.note("causal", mask is not None)
     m.note("window", window)
+    m.note("softcap", softcap)
     m.cover(qk)
     return None
 
@@ -331,6 +346,8 @@ def _rw_attention(m: Match, g: Graph) -> Pairs:
     attrs: dict[str, Any] = {"scale": float(m.fact("scale")), "causal": int(m.fact("causal"))}
     if m.fact("window"):
         attrs["window"] = int(m.fact("window"))
+    if m.fact("softcap"):
+        attrs["softcap"] = float(m.fact("softcap"))
     out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", **attrs)
     return [(m.node("pv").output, out)]
 
@@ -348,7 +365,8 @@ ATTENTION = Rule(
          then=P.or_(P.op("Cast", P.var("p"), out="p_cast", keep=True, then=_times_v("p_cast")), _times_v("p"),
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
-    doc="softmax(q k^T * scale + causal [sliding-window] mask) v, GQA repeats stripped -> Attention")
+    doc="softmax([c * tanh](q k^T * scale [/ c]) + causal [sliding-window] mask) v, GQA repeats stripped -> "
+        "Attention")
 
 
 # ---- head split / merge ------------------------------------------------------------------------

@@ -69,6 +69,21 @@ def test_verifies_with_the_window_on_each_layer(family: str) -> None:
     assert _windows(lowered.decode) == _windows(lowered.prefill) == WINDOWS[family]
 
 
+def test_gemma2_raises_windowed_soft_capped_attention() -> None:
+    """Gemma 2's local layer (0) and global layer (1), both soft-capped at 50 and scaled by
+    query_pre_attn_scalar^-0.5 = 1/4: raising folds c * tanh(q k^T / 4 / c) into Attention, and the
+    reference agrees with ONNX Runtime."""
+    import zlc
+    from zlc.verifier import verify
+
+    path = zoo.cached("stateless", "gemma2", 20)
+    rep = verify(path, steps=8, max_seq=64)
+    assert rep.ok, rep.summary()
+    attn = [n for n in zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode.nodes if n.op == "Attention"]
+    assert [(n.attrs.get("window", 0), n.attrs.get("softcap"), n.attrs["scale"]) for n in attn] == \
+        [(4, 50.0, pytest.approx(0.25)), (0, 50.0, pytest.approx(0.25))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(WINDOWS))
 def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -> None:
