@@ -33,6 +33,7 @@ from .raise_layers import (
     SLICE_LINEAR,
     SPLIT_LINEAR,
 )
+from .raise_moe import MOE
 from .raise_rope_forms import ROPE_PAIRS, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST, SWAP_PAIR
 from .raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from .raising import RaiseStats, raising_rules
@@ -47,6 +48,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-rope", [ROPE, ROPE_PAIRS, ROPE_TABLES, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST,
                     SWAP_PAIR]),
     ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
+    ("raise-moe", [MOE]),
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),

@@ -155,8 +155,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
+    # Mixture of experts (MoE): a router Linear, softmax, top-2 of 4 experts (renormalised), each
+    # expert a SwiGLU MLP; "batched_mm" is the experts implementation torch.onnx.export can trace
+    # (transformers' default "grouped_mm" is an opaque custom op on CPU, "eager" loops over
+    # nonzero(): data-dependent), see zlc.testing.export
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    experts_implementation="batched_mm", **_COMMON),
+    # Qwen3-MoE: top-2 of 4 experts with moe_intermediate_size 32, softmax weights NOT renormalised
+    # (norm_topk_prob=False, the HF default), every layer sparse; per-head q/k RMSNorm
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, experts_implementation="batched_mm", **_COMMON),
 }
 
+#: Mixture-of-experts families: router, top-k, the selected experts' gated MLPs.
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
 CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
@@ -188,8 +200,11 @@ def hf_config(family: str) -> Any:
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     kw = dict(FAMILIES[family])
+    experts = kw.pop("experts_implementation", None)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "eager"
+    if experts is not None:
+        cfg._experts_implementation = experts
     return cfg
 
 
