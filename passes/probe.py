@@ -193,7 +193,7 @@ def optional_probe(p: Probe) -> bool:
     return p.past > 0 and p.seq > 1
 
 
-def _keep_mask(m: torch.Tensor, p: Probe, additive: bool) -> torch.Tensor | str:
+def _keep_mask(m: torch.Tensor, p: Probe, additive: bool, inverted: bool = False) -> torch.Tensor | str:
     """The [N, seq, total] boolean keep-mask of a probed mask, or why it is not one."""
     total = p.past + p.seq
     if m.dim() < 2 or m.shape[-1] not in (1, total) or m.shape[-2] not in (1, p.seq):
@@ -201,7 +201,7 @@ def _keep_mask(m: torch.Tensor, p: Probe, additive: bool) -> torch.Tensor | str:
     m2 = m.reshape(-1, m.shape[-2], m.shape[-1])
     m2 = m2.expand(m2.shape[0], p.seq, total)
     if not additive:
-        return m2.bool()
+        return ~m2.bool() if inverted else m2.bool()
     keep = m2 > -1.0
     if not torch.all(m2[keep] == 0) or not torch.all(m2[~keep] <= -1e4):
         return "additive mask has values other than 0 and a large negative number"
@@ -216,14 +216,15 @@ def causal_keep(seq: int, total: int, window: int = 0) -> torch.Tensor:
     return keep.triu(total - seq - window + 1) if window > 0 else keep
 
 
-def mask_window(g: Graph, mask: Value, additive: bool, max_seq: int) -> int | str:
+def mask_window(g: Graph, mask: Value, additive: bool, max_seq: int, inverted: bool = False) -> int | str:
     """0 if `mask` is a causal mask (bottom-right aligned) on every probe, W > 0 if it is a causal
     sliding window of W keys (each query's own and the W - 1 before it); else the reason.
 
     The window is read off one prefill of `max_seq` tokens (its last query row keeps min(W,
     max_seq) keys: a window of max_seq or more never bites in the compiled context, so it is plain
     causal), then every probe is checked against it. additive: 0 where attending and <= -1e4 (or
-    -inf) where masked; else boolean keep-mask."""
+    -inf) where masked; else boolean keep-mask (with `inverted`, a boolean drop-mask:
+    masked_fill(mask, -inf))."""
     why = is_position_only(g, [mask])
     if why:
         return f"mask {why}"
@@ -231,7 +232,7 @@ def mask_window(g: Graph, mask: Value, additive: bool, max_seq: int) -> int | st
     longest = Probe(0, max_seq)
     res = try_evaluate(g, [mask], longest)
     if not isinstance(res, str):
-        keep = _keep_mask(res[0], longest, additive)
+        keep = _keep_mask(res[0], longest, additive, inverted)
         if isinstance(keep, str):
             return keep
         kept = int(keep[0, -1].sum())
@@ -248,7 +249,7 @@ def mask_window(g: Graph, mask: Value, additive: bool, max_seq: int) -> int | st
             if optional_probe(p):
                 continue
             return res
-        keep = _keep_mask(res[0], p, additive)
+        keep = _keep_mask(res[0], p, additive, inverted)
         if isinstance(keep, str):
             return keep
         if not torch.equal(keep, causal_keep(p.seq, p.past + p.seq, window).expand_as(keep)):
