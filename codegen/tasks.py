@@ -529,6 +529,9 @@ class TaskBuilder:
                     {"prefill": appends_op, "decode": [] if fused else copy.deepcopy(appends_op)})
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
+        window = int(n.attrs.get("window", 0) or 0)
+        if window < 0:
+            raise ScheduleError(f"node '{n.name}' (Attention): negative window {window}")
         slopes = [float(x) for x in n.attrs.get("alibi") or []]
         if slopes and len(slopes) != hq:
             raise ScheduleError(f"node '{n.name}' (Attention): {len(slopes)} ALiBi slopes for {hq} heads")
@@ -549,6 +552,8 @@ class TaskBuilder:
                 # on load); the first q head of each KV group writes them into the cache
                 16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
                 18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols,
+                # a causal sliding window (0: none): the query at p attends over keys p-window+1..p
+                20: window,
                 # q/k norms applied on load (21 q's gains, 22 k's for the fused append, -1 none;
                 # 23 bit 0 / bit 1: q / k normed over the whole projection row; their eps in float 3)
                 21: qn.w if qn else -1, 22: kn.w if kn else -1,
