@@ -466,35 +466,6 @@ SPLIT_HEADS = Rule(
     doc="[B,T,H*D] -> reshape [B,T,H,D] -> transpose -> SplitHeads")
 
 
-def _check_heads_norm(m: Match) -> str | None:
-    why = _check_split_heads(m)
-    if why:
-        return why
-    w, d = m["w"], m.node("r").output.shape[3]  # type: ignore[index]
-    if w.shape is None or [int(x) for x in w.shape if x != 1] not in ([d], []):  # type: ignore[arg-type]
-        return "norm weight is not one gain per head feature"
-    return None
-
-
-def _rw_heads_norm(m: Match, g: Graph) -> Pairs:
-    n = m.node("norm")
-    heads = new_node(g, "SplitHeads", [m["x"]], "split_heads", heads=m.fact("heads"))
-    return [(m.root.output, new_node(g, "RMSNorm", [heads, m["w"]], "rmsnorm", **dict(n.attrs)))]
-
-
-# Transpose(RMSNorm(Reshape(x[B,T,H*D] -> [B,T,H,D]), w[D]), [0,2,1,3]) -> RMSNorm(SplitHeads(x), w):
-# Qwen3's per-head q/k norm, written before the heads' transpose (Gemma 3 writes it after, which
-# already is this form). The norm is over the last axis, so it commutes with the transpose.
-HEADS_NORM = Rule(
-    "heads_norm",
-    P.op("Transpose", P.op("RMSNorm", P.op("Reshape", P.var("x"), P.any(), name="r", single_use=True,
-                                           why="norm input is not a reshape"), P.var("w"), name="norm",
-                           single_use=True, why="input is not an RMSNorm"),
-         attrs={"perm": _bhtd_swap}, why="not a [0, 2, 1, 3] transpose"),
-    _check_heads_norm, _rw_heads_norm,
-    doc="[B,T,H*D] -> reshape [B,T,H,D] -> RMSNorm over D -> transpose -> RMSNorm(SplitHeads)")
-
-
 def _check_merge_heads(m: Match) -> str | None:
     s_a, s_o = m["a"].shape, m.root.output.shape
     if s_a is None or s_o is None or len(s_a) != 4 or len(s_o) not in (2, 3):

@@ -55,7 +55,7 @@ def _heads_norm_graph(gains: np.ndarray) -> object:
 
 
 def test_a_per_head_norm_before_the_heads_transpose_is_raised_onto_split_heads() -> None:
-    """Qwen3 writes its q/k norm on [B, T, H, D] before the transpose: raise-heads makes it
+    """Qwen3 writes its q/k norm on [B, T, H, D] before the transpose: raise-rows makes it
     RMSNorm(SplitHeads(x)) with the norm's gains and eps (the form Gemma 3's export already has),
     and the numbers stay those of the op-level graph."""
     from zlc.ir import verify_graph
@@ -66,7 +66,7 @@ def test_a_per_head_norm_before_the_heads_transpose_is_raised_onto_split_heads()
     g = _heads_norm_graph((1 + 0.1 * rng.standard_normal(16)).astype(np.float32))
     x = rng.standard_normal((1, 5, 64)).astype(np.float32)
     before = run_graph(g, {"x": x})
-    stats = dict(RAISING)["raise-heads"].apply(g)
+    stats = dict(RAISING)["raise-rows"].apply(g)
     verify_graph(g)
     assert stats.applied.get("heads_norm") == 1, stats
     assert [nd.op for nd in g.nodes] == ["SplitHeads", "RMSNorm"]
@@ -81,7 +81,7 @@ def test_a_norm_over_more_than_one_head_is_not_raised_onto_the_heads() -> None:
     from zlc.passes.raise_all import RAISING
 
     g = _heads_norm_graph(np.linspace(0.5, 1.5, 64, dtype=np.float32).reshape(4, 16))
-    stats = dict(RAISING)["raise-heads"].apply(g)
+    stats = dict(RAISING)["raise-rows"].apply(g)
     assert not stats.applied.get("heads_norm")
     assert "Transpose" in [nd.op for nd in g.nodes]
 
