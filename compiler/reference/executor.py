@@ -70,3 +70,27 @@ class ReferenceExecutor:
 def run_graph(graph: Graph, inputs: Mapping[str, Any], **state_dims: int) -> dict[str, torch.Tensor]:
     """One-shot convenience: run a graph with fresh state."""
     return ReferenceExecutor(graph, state_dims).run(inputs)
+
+
+
+HALF = ("f16", "bf16")
+
+
+def in_f32(graph: Graph) -> Graph:
+    """A copy of `graph` that computes in f32 on the same weights: every f16/bf16 value (inputs,
+    constants, state, node outputs) becomes f32, half constants are widened exactly, and casts or
+    dtype attributes naming a half type name f32. A half model run this way is what the megakernel
+    computes (f32 math on half-rounded weights), and the oracle where ONNX Runtime has no kernels."""
+    from zlc.ir import DType, TensorType
+
+    g = graph.clone()
+    for v in g.values():
+        if v.dtype.value in HALF:
+            v.type = TensorType(DType.f32, v.type.shape)
+            if v.data is not None:
+                v.data = torch.as_tensor(v.const_array()).float()
+    for n in g.nodes:
+        for k in ("to", "dtype"):
+            if n.attrs.get(k) in HALF:
+                n.attrs[k] = "f32"
+    return g
