@@ -24,11 +24,12 @@ HALF_KINDS = {"stateless_f16": torch.float16, "stateless_bf16": torch.bfloat16}
 
 
 @pytest.mark.parametrize("kind", list(HALF_KINDS))
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])
 def test_half_exports_raise_to_the_ir_of_their_f32_originals(kind: str, family: str) -> None:
-    """HF's half graphs upcast around RMSNorm, softmax and the activation (Cast to f32 and back)
-    and hold half constants (gelu_tanh's 0.044715 in bf16 is 0.04468): raising absorbs the casts,
-    so the decode graph holds the same ops, node for node, as the f32 export's."""
+    """HF's half graphs upcast around RMSNorm (Gemma's applies its (1 + w) before the cast back),
+    softmax and the activation (Cast to f32 and back), and hold half constants (gelu_tanh's 0.044715
+    in bf16 is 0.04468): raising absorbs the casts, so the decode graph holds the same ops, node for
+    node, as the f32 export's."""
     opts = zlc.CompileOptions(max_seq=64)
     half = zlc.lower(zoo.cached(kind, family, 20), options=opts)
     full = zlc.lower(zoo.cached("stateless", family, 20), options=opts)
@@ -65,9 +66,11 @@ def test_f16_verifies_against_onnx_runtime_and_bf16_against_the_f32_reference() 
     assert bf16.oracle == "zlc reference in f32 (ONNX Runtime has no bf16 kernels)"
     assert (bf16.dtype, bf16.atol) == ("bf16", DEFAULT_ATOL["bf16"])
     assert f"oracle: {bf16.oracle}" in bf16.summary()
-    # the logits really differ from the oracle by half rounding: an f32 tolerance fails them
-    tight = verify(zoo.cached("stateless_bf16", "llama", 20), steps=4, max_seq=64, atol=1e-6)
-    assert not tight.ok and tight.atol == 1e-6 and tight.tokens_equal
+    # bf16: f32 on both sides, on the same weights and the same bf16-rounded rotary tables
+    assert bf16.max_abs < 1e-4, bf16.summary()
+    # f16: ONNX Runtime rounds every op's output to f16, zlc computes in f32: f32's tolerance fails
+    tight = verify(zoo.cached("stateless_f16", "llama", 20), steps=4, max_seq=64, atol=1e-4)
+    assert not tight.ok and tight.atol == 1e-4 and tight.tokens_equal
 
 
 def test_verify_cli_reports_the_oracle_and_takes_atol() -> None:
@@ -99,17 +102,18 @@ def _hf_greedy(family: str, dtype: torch.dtype, *, f32: bool = False) -> list[in
     return [int(t) for t in out[0, len(PROMPT):]]
 
 
-# StableLM in f16: HF's f16 generate rounds every activation to f16 and its 5th token flips
-# (171 vs 207, a near-tie); the megakernel computes in f32 like the f32 model on the same
-# f16-rounded weights, whose tokens the bundle gives. That model is the oracle there.
-F32_ORACLE = {("stateless_f16", "stablelm")}
+# Where HF's own half generate rounds every activation to half and a near-tie flips a token
+# (StableLM f16: its 5th token, 171 vs 207; Qwen2 bf16: its 6th, 153 vs 159), the oracle is the f32
+# model on the same half-rounded weights: that is what the megakernel computes (f32 math on the
+# bundle's weights), and its tokens are the bundle's, all 8 of them.
+F32_ORACLE = {("stateless_f16", "stablelm"), ("stateless_bf16", "qwen2")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "family"), [
-    ("stateless_f16", "llama"), ("stateless_f16", "qwen2"), ("stateless_f16", "gpt2"),
-    ("stateless_f16", "phi3"), ("stateless_f16", "stablelm"),
-    ("stateless_bf16", "llama"), ("stateless_bf16", "gpt2"), ("stateless_bf16", "phi3"),
+    ("stateless_f16", "llama"), ("stateless_f16", "gemma"), ("stateless_f16", "gpt2"),
+    ("stateless_f16", "stablelm"),
+    ("stateless_bf16", "qwen2"), ("stateless_bf16", "gpt2"), ("stateless_bf16", "phi3"),
     ("stateless_bf16", "stablelm"),
 ])
 def test_half_bundle_gives_hugging_faces_greedy_tokens(kind: str, family: str, tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ class CompileProgress:
 @click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Max abs logit error the check allows (default by the model's dtype: f32 1e-3, f16 2e-2, "
-                   "bf16 8e-2; `zlc verify --help` says why).")
+                   "bf16 1e-2; `zlc verify --help` says why).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory that is not a bundle.")
 @click.option("--debug-waits", is_flag=True, help="Also ship each GPU kernel's debug build (a wait that never "
               "completes raises an error flag after 2 s instead of hanging the GPU; the first launch "

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
               help="Length of the random prompt (ignored with --prompt-ids).")
 @click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
-              help="Max abs logit error allowed (default by the model's dtype: f32 1e-3, f16 2e-2, bf16 8e-2).")
+              help="Max abs logit error allowed (default by the model's dtype: f32 1e-3, f16 2e-2, bf16 1e-2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt.")
 @MAX_SEQ
 @click.option("--numerics-only", is_flag=True,
