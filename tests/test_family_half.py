@@ -111,11 +111,7 @@ F32_ORACLE = {("stateless_f16", "stablelm"), ("stateless_bf16", "qwen2")}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "family"), [
-    ("stateless_f16", "llama"), ("stateless_f16", "gemma"), ("stateless_f16", "gpt2"),
-    ("stateless_f16", "stablelm"),
-    ("stateless_bf16", "qwen2"), ("stateless_bf16", "gpt2"), ("stateless_bf16", "phi3"),
-    ("stateless_bf16", "stablelm"),
-])
+    (kind, family) for kind in HALF_KINDS for family in ("llama", "qwen2", "gemma", "gpt2", "phi3", "stablelm")])
 def test_half_bundle_gives_hugging_faces_greedy_tokens(kind: str, family: str, tmp_path: Path) -> None:
     """`zlc compile` (verified, the dtype's default tolerance), then the Triton kernel in the
     interpreter and the native C kernel: both give HF's greedy tokens in the same dtype (except
