@@ -449,9 +449,17 @@ class TaskBuilder:
                     {"prefill": appends_op, "decode": [] if fused else copy.deepcopy(appends_op)})
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
-        floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0)}
+        slopes = [float(x) for x in n.attrs.get("alibi") or []]
+        if slopes and len(slopes) != hq:
+            raise ScheduleError(f"node '{n.name}' (Attention): {len(slopes)} ALiBi slopes for {hq} heads")
 
-        def attn_desc(mode: str, partial: int, split_len: int) -> int:
+        def attn_desc(mode: str, partial: int, split_len: int) -> list[int]:
+            """The descriptor of each head: one shared, or one per head with its ALiBi slope."""
+            return [one_desc(mode, partial, split_len, sl) for sl in slopes] or \
+                [one_desc(mode, partial, split_len, 0.0)] * hq
+
+        def one_desc(mode: str, partial: int, split_len: int, slope: float) -> int:
+            floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0), 2: slope}
             return self.desc(f"{n.name}.attention.{mode}", {
                 0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
                 3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
@@ -481,14 +489,14 @@ class TaskBuilder:
 
         d_pre = attn_desc("prefill", -1, self.max_seq)
         nqb = -(-t.chunk // t.block_t)
-        prefill = [Task(OP_ATTENTION, d_pre, h, qb, 0, reads=reads(h, "prefill"),
+        prefill = [Task(OP_ATTENTION, d_pre[h], h, qb, 0, reads=reads(h, "prefill"),
                         writes=[Region(out.name, h * D, (h + 1) * D, qb * t.block_t, (qb + 1) * t.block_t)],
                         label=f"{n.name}.attention[h{h},q{qb}]")
                    for h in range(hq) for qb in range(nqb)]
         S = t.kv_splits
         if S <= 1:
             d_dec = attn_desc("decode", -1, self.max_seq)
-            decode = [Task(OP_ATTENTION, d_dec, h, 0, 0, reads=reads(h),
+            decode = [Task(OP_ATTENTION, d_dec[h], h, 0, 0, reads=reads(h),
                            writes=[Region(out.name, h * D, (h + 1) * D), *appends(h, True)],
                            label=f"{n.name}.attention[h{h}]") for h in range(hq)]
             self.add_op(f"{n.name}.attention", {"prefill": prefill, "decode": decode})
@@ -500,7 +508,7 @@ class TaskBuilder:
             # the split holding this step's key appends it (which split that is depends on past:
             # every split of the group's first head may, so each declares the write; the kernel
             # writes from the one whose range holds `past`)
-            decode = [Task(OP_ATTENTION, d_dec, h, 0, s, reads=reads(h),
+            decode = [Task(OP_ATTENTION, d_dec[h], h, 0, s, reads=reads(h),
                            writes=[Region(part.name, h * S + s, h * S + s + 1),
                                    *[Region(r.buffer, r.lo, r.hi, s, s + 1) for r in appends(h, True)]],
                            label=f"{n.name}.attention[h{h},s{s}]") for h in range(hq) for s in range(S)]

@@ -193,10 +193,11 @@ def optional_probe(p: Probe) -> bool:
     return p.past > 0 and p.seq > 1
 
 
-def classify_mask(g: Graph, mask: Value, additive: bool) -> str | None:
+def classify_mask(g: Graph, mask: Value, additive: bool, inverted: bool = False) -> str | None:
     """None if `mask` is a causal mask (bottom-right aligned) on every probe; else the reason.
 
-    additive: 0 where attending and <= -1e4 (or -inf) where masked; else boolean keep-mask."""
+    additive: 0 where attending and <= -1e4 (or -inf) where masked; else boolean keep-mask (with
+    `inverted`, a boolean drop-mask: masked_fill(mask, -inf))."""
     why = is_position_only(g, [mask])
     if why:
         return f"mask {why}"
@@ -221,7 +222,7 @@ def classify_mask(g: Graph, mask: Value, additive: bool) -> str | None:
             if not torch.all(m2[got_keep] == 0) or not torch.all(m2[~got_keep] <= -1e4):
                 return "additive mask has values other than 0 and a large negative number"
         else:
-            got_keep = m2.bool()
+            got_keep = ~m2.bool() if inverted else m2.bool()
         if not torch.equal(got_keep, keep.expand_as(got_keep)):
             return f"mask is not causal at past={p.past}, seq={p.seq}"
     return None

@@ -237,7 +237,7 @@ def _peel_scale(v: Value) -> tuple[Value, float]:
             return v, f
 
 
-def _unrepeat_kv(v: Value) -> Value:
+def unrepeat_kv(v: Value) -> Value:
     """k0 when v = Reshape(Expand(Unsqueeze(k0, [2]), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])."""
     r = prod(v, "Reshape")
     e = prod(r.inputs[0], "Expand") if r is not None else None
@@ -258,12 +258,49 @@ def _softmax_last_axis(m: Match) -> str | None:
     return None
 
 
+def _alibi_slopes(g: Graph, bias: Value, scale: float) -> list[float] | str:
+    """Per-head slopes when `bias` (times `scale`) is ALiBi: on every probe, within each head and
+    query row, slope_h * key position plus a constant (softmax ignores the constant: BLOOM's
+    slope * k and MPT's slope * (k - T + 1) are the same); or why not."""
+    key = ("alibi", id(bias), scale)
+    memo = _cache(g)
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    why = probe.is_position_only(g, [bias])
+    slopes: torch.Tensor | None = None
+    for pr in (probe.Probe(0, 5), probe.Probe(0, 12)):
+        if why:
+            break
+        got = probe.try_evaluate(g, [bias], pr)
+        if isinstance(got, str):
+            why = got
+            break
+        b = got[0].double() * scale
+        if b.dim() < 3 or b.shape[-1] != pr.seq or b.shape[-2] not in (1, pr.seq):
+            why = f"bias shape {tuple(b.shape)} does not fit {pr.seq} queries x {pr.seq} keys"
+            break
+        b = b.reshape(-1, b.shape[-2], b.shape[-1]).expand(-1, pr.seq, pr.seq)
+        rel = b - b[:, :, :1]  # each row from its first key; only keys a causal query sees count
+        sl = rel[:, -1, 1]
+        want = (sl[:, None, None] * torch.arange(pr.seq, dtype=b.dtype)[None, None, :]).expand_as(rel)
+        keep = torch.ones(pr.seq, pr.seq, dtype=torch.bool).tril()
+        if not torch.allclose(rel[:, keep], want[:, keep], atol=1e-5, rtol=1e-5):
+            why = "not a linear bias in the key position per head (ALiBi)"
+            break
+        if slopes is not None and not torch.allclose(sl, slopes, atol=1e-6):
+            why = "ALiBi slopes differ between probes"
+            break
+        slopes = sl
+    memo[key] = why if why or slopes is None else [float(x) for x in slopes.float()]
+    return memo[key]  # type: ignore[no-any-return]
+
+
 def _check_attention(m: Match) -> str | None:
     """The scores: [scale *] q k^T [* scale] [+ mask | masked by Where], read upward through casts
     and any number of scalar factors (which the pattern language cannot repeat)."""
     g = m.graph
     s = strip(m["s"])
-    mask, additive = None, True
+    mask, additive, inverted = None, True, False
     sp = s.producer
     if sp is not None and sp.op == "Add":
         lhs, rhs = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
@@ -275,6 +312,12 @@ def _check_attention(m: Match) -> str | None:
         elif prod(rcore, "MatMul") is not None:
             s, mask = a1, a0
         else:
+            for c in (lcore, rcore):
+                r = prod(c, "Reshape")
+                x = r.inputs[0] if r is not None else None
+                if x is not None and x.type.rank == 3 and prod(strip(x), "Add") is not None:
+                    return (f"attention bias at '{strip(x).producer.name}': scores batched as [B*H, T, S] "  # type: ignore[union-attr]
+                            "plus a bias (BLOOM's baddbmm ALiBi form) are not supported")
             return "softmax input is not scores + mask"
     elif sp is not None and sp.op == "Where":
         fill = scalar(sp.inputs[2]) if scalar(sp.inputs[2]) is not None else scalar(sp.inputs[1])
@@ -282,9 +325,27 @@ def _check_attention(m: Match) -> str | None:
             return "Where-masked scores without a large negative fill"
         if scalar(sp.inputs[2]) is not None and sp.inputs[1] is not None:
             s, mask, additive = sp.inputs[1], sp.inputs[0], False
+        elif sp.inputs[2] is not None:  # masked_fill(drop, fill): the fill on the true branch
+            s, mask, additive, inverted = sp.inputs[2], sp.inputs[0], False, True
         else:
-            return "inverted Where mask (fill on the true branch) is not supported"
+            return "Where-masked scores without a scores branch"
+    if m.get("p_3d") is not None:  # softmax -> Reshape [B*H, T, S] -> bmm: only said why, not raised
+        return "attention probabilities reshaped to [B*H, T, S] before the PV product are not supported"
     core, scale = _peel_scale(s)
+    slopes: list[float] | None = None
+    bp = strip(core).producer
+    if bp is not None and bp.op == "Add":  # scores + an additive bias: ALiBi or refused
+        sides = [x for x in bp.inputs if x is not None]
+        qk_side = [x for x in sides if prod(_peel_scale(x)[0], "MatMul") is not None and x.data is None]
+        if len(sides) != 2 or not qk_side:
+            return "softmax input is not scores + bias"
+        bias = sides[1] if sides[0] is qk_side[0] else sides[0]
+        got = _alibi_slopes(g, bias, scale)
+        if isinstance(got, str):
+            return f"attention bias at '{bp.name}': {got}"
+        slopes = got
+        core, s2 = _peel_scale(qk_side[0])
+        scale *= s2
     qk = prod(core, "MatMul")
     if qk is None:
         return "scores are not a MatMul"
@@ -305,18 +366,21 @@ def _check_attention(m: Match) -> str | None:
     if q.shape is None or len(q.shape) != 4:
         return "Q is not [B, H, T, D]"
     if mask is not None:
-        key = ("mask", id(mask), additive)
+        key = ("mask", id(mask), additive, inverted)
         memo = _cache(g)
         if key not in memo:
-            memo[key] = probe.classify_mask(g, mask, additive)
+            memo[key] = probe.classify_mask(g, mask, additive, inverted)
         if memo[key] is not None:
             return f"mask: {memo[key]}"
     m.bind("q", q)
-    m.bind("k", k if new_k_transpose else _unrepeat_kv(k))
-    m.bind("v0", _unrepeat_kv(m["v"]))
+    m.bind("k", k if new_k_transpose else unrepeat_kv(k))
+    m.bind("v0", unrepeat_kv(m["v"]))
     m.note("k_from_bshd", bool(new_k_transpose))
     m.note("scale", scale)
     m.note("causal", mask is not None)
+    if slopes is not None and len(slopes) != q.shape[1]:
+        return f"{len(slopes)} ALiBi slopes for {q.shape[1]} query heads"
+    m.note("alibi", slopes)
     m.cover(qk)
     return None
 
@@ -324,9 +388,10 @@ def _check_attention(m: Match) -> str | None:
 def _rw_attention(m: Match, g: Graph) -> Pairs:
     k = m["k"]
     if m.fact("k_from_bshd"):
-        k = _unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
+        k = unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
+    alibi = {} if m.fact("alibi") is None else {"alibi": m.fact("alibi")}
     out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", scale=float(m.fact("scale")),
-                   causal=int(m.fact("causal")))
+                   causal=int(m.fact("causal")), **alibi)
     return [(m.node("pv").output, out)]
 
 
@@ -341,6 +406,7 @@ ATTENTION = Rule(
     "attention",
     P.op("Softmax", P.var("s"), out="p", where=_softmax_last_axis,
          then=P.or_(P.op("Cast", P.var("p"), out="p_cast", keep=True, then=_times_v("p_cast")), _times_v("p"),
+                    P.op("Reshape", P.var("p"), P.any(), out="p_3d", keep=True, then=_times_v("p_3d")),
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
     doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
@@ -460,7 +526,7 @@ HEADS_ROUNDTRIP = Rule(
 def _check_attention_gqa(m: Match) -> str | None:
     if m.root.input(3) is not None:
         return "attention already reads a cache"
-    k0, v0 = _unrepeat_kv(m["k"]), _unrepeat_kv(m["v"])
+    k0, v0 = unrepeat_kv(m["k"]), unrepeat_kv(m["v"])
     if k0 is m["k"] or v0 is m["v"]:
         return "K/V are not repeated heads"
     m.bind("k0", k0)

@@ -339,7 +339,7 @@ MLP = Rule("mlp", P.op("Linear", P.var("a"), P.var("wd"), rest=True), _check_mlp
            doc="down(act(up(x))) -> MLP (GELU MLP)")
 
 
-def _half_slice(v: Value) -> tuple[Value, int] | None:
+def half_slice(v: Value) -> tuple[Value, int] | None:
     """(h, 0|1) when v is the first or second half of h along the last axis (Slice or Split)."""
     n = v.producer
     if n is None:
@@ -371,14 +371,14 @@ def _check_gated_fused(m: Match) -> str | None:
     mul, g = m.node("mul"), m.graph
     for gate_side, up_side in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
         assert gate_side is not None and up_side is not None
-        up = _half_slice(up_side)
+        up = half_slice(up_side)
         if up is None or up[1] != 1:
             continue
         h = up[0]
         lin = prod(h, "Linear")
         if lin is None or lin.input(2) is not None:
             continue
-        gate_src = next((o for o in _slice_users(g, h) if _half_slice(o) == (h, 0)), None)
+        gate_src = next((o for o in _slice_users(g, h) if half_slice(o) == (h, 0)), None)
         if gate_src is None:
             continue
         try:

@@ -132,7 +132,7 @@ CENTRED_RMSNORM = Rule(
 # Ops whose output row t depends only on input row t (normalizations and activations over the last
 # axis, projections); elementwise ones also need their other operands inside the region or a
 # constant that broadcasts along the last axis.
-_ROW_OPS = {"LayerNorm", "RMSNorm", "Linear", "MLP", "GatedMLP"}
+_ROW_OPS = {"LayerNorm", "RMSNorm", "Linear", "MLP", "GatedMLP", "MoE"}
 _FLAT = "not a [1, T, H] -> [T, H] reshape"
 
 

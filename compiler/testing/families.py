@@ -139,8 +139,37 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
+    # BLOOM: ALiBi (no rotary, no learned positions), LayerNorm on the embeddings
+    # (word_embeddings_layernorm), one query_key_value projection laid out per head, GELU MLP, biases
+    "bloom": dict(model_type="bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # MPT: ALiBi, fused Wqkv ([q k v] blocks), LayerNorm without bias, no linear biases, GELU MLP
+    "mpt": dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, vocab_size=256,
+                max_seq_len=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Falcon-7B style: multi-query attention (one KV head), rotary, parallel attention + MLP off one
+    # LayerNorm, no linear biases
+    "falcon": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                   vocab_size=256, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                   bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Falcon-40B style ("new decoder architecture"): GQA (2 KV heads), two LayerNorms (ln_attn,
+    # ln_mlp) feeding the parallel attention and MLP
+    "falcon_new": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                       vocab_size=256, new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True,
+                       bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Mixture of experts (MoE): a router Linear, softmax, top-2 of 4 experts (renormalised), each
+    # expert a SwiGLU MLP; "batched_mm" is the experts implementation torch.onnx.export can trace
+    # (transformers' default "grouped_mm" is an opaque custom op on CPU, "eager" loops over
+    # nonzero(): data-dependent), see zlc.testing.export
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    experts_implementation="batched_mm", **_COMMON),
+    # Qwen3-MoE: top-2 of 4 experts with moe_intermediate_size 32, softmax weights NOT renormalised
+    # (norm_topk_prob=False, the HF default), every layer sparse; per-head q/k RMSNorm
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, experts_implementation="batched_mm", **_COMMON),
 }
 
+#: Mixture-of-experts families: router, top-k, the selected experts' gated MLPs.
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
 CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
@@ -172,8 +201,11 @@ def hf_config(family: str) -> Any:
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     kw = dict(FAMILIES[family])
+    experts = kw.pop("experts_implementation", None)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "eager"
+    if experts is not None:
+        cfg._experts_implementation = experts
     return cfg
 
 
@@ -181,7 +213,9 @@ def kv_spec(family: str) -> KVSpec:
     """KV-cache geometry of a family (see :class:`KVSpec`)."""
     cfg = hf_config(family)
     heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or heads
+    if cfg.model_type == "falcon" and cfg.multi_query and not cfg.new_decoder_architecture:
+        kv = 1  # Falcon-7B's multi-query attention: one KV head whatever num_kv_heads says
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return KVSpec(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size)
 
