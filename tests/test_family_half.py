@@ -73,6 +73,21 @@ def test_f16_verifies_against_onnx_runtime_and_bf16_against_the_f32_reference() 
     assert not tight.ok and tight.atol == 1e-4 and tight.tokens_equal
 
 
+def test_an_f16_model_onnx_runtime_cannot_run_falls_back_to_the_f32_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from zlc import verifier
+    from zlc.errors import ModelFormatError
+
+    def refuse(*a: object, **k: object) -> None:
+        raise ModelFormatError("ONNX Runtime cannot load m.onnx: NOT_IMPLEMENTED : no kernel for Where(16)")
+
+    monkeypatch.setattr(verifier.OrtReference, "__init__", refuse)
+    rep = verify(zoo.cached("stateless_f16", "llama", 20), steps=4, max_seq=64)
+    assert rep.oracle == ("zlc reference in f32 (ONNX Runtime cannot run this f16 model: ONNX Runtime "
+                          "cannot load m.onnx: NOT_IMPLEMENTED : no kernel for Where(16))")
+    assert rep.ok and rep.max_abs < 1e-4, rep.summary()
+
+
 def test_verify_cli_reports_the_oracle_and_takes_atol() -> None:
     from click.testing import CliRunner
 
