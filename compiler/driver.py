@@ -225,7 +225,14 @@ def lower(model: Any, example_inputs: tuple[Any, ...] | None = None, *,
     if not opts.raise_ops:
         raise PassError("KV-cache synthesis needs raising (raise_ops=True)")
     t = time.perf_counter()
-    cm = synthesize_kv_cache(g, opts.max_seq)
+    try:
+        cm = synthesize_kv_cache(g, opts.max_seq)
+    except PassError as e:
+        # a refused attention bias (not ALiBi) is the reason worth naming: say it on the same line
+        bias = sorted(r for r in refused.get("attention", {}) if r.startswith("attention bias"))
+        if not bias or "no raised Attention" not in str(e):
+            raise
+        raise PassError(f"{e}; {bias[0]}") from None
     if opts.verify_ir:
         verify_graph(cm.prefill)
         verify_graph(cm.decode)

@@ -20,7 +20,7 @@ from .raise_attention import (
     SPLIT_HEADS,
     STATIC_SELECT,
 )
-from .raise_blocks import HEADS_QKV, PARALLEL_RESIDUAL
+from .raise_blocks import HEADS_GATHER, HEADS_QKV, PARALLEL_RESIDUAL, ROPE_OF_REPEAT
 from .raise_layers import (
     EMBEDDING,
     GATED_MLP,
@@ -30,29 +30,32 @@ from .raise_layers import (
     LM_HEAD,
     MLP,
     RMSNORM,
+    RMSNORM_CASTS,
     SLICE_LINEAR,
     SPLIT_LINEAR,
 )
+from .raise_moe import MOE
 from .raise_rope_forms import ROPE_PAIRS, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST, SWAP_PAIR
-from .raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from .raise_rows import CENTRED_RMSNORM, HEADS_NORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from .raising import RaiseStats, raising_rules
 from .rewrite import RewriteStats, RuleSet
 
 # Order matters: Linear before MLPs (they match Linear nodes); LM head last among layers so that
 # an MLP's down projection is never mistaken for the head.
 RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for name, rules in (
-    ("raise-norms", [RMSNORM]),
+    ("raise-norms", [RMSNORM, RMSNORM_CASTS]),
     ("raise-embedding", [EMBEDDING]),
     ("raise-linear", [LINEAR, LINEAR_RESHAPE]),
     ("raise-rope", [ROPE, ROPE_PAIRS, ROPE_TABLES, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST,
-                    SWAP_PAIR]),
+                    SWAP_PAIR, ROPE_OF_REPEAT]),
     ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
+    ("raise-moe", [MOE]),
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
-    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS]),
+    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS, HEADS_NORM]),
     ("raise-lm-head", [LM_HEAD]),
-    ("raise-blocks", [HEADS_QKV, PARALLEL_RESIDUAL]),
+    ("raise-blocks", [HEADS_QKV, HEADS_GATHER, PARALLEL_RESIDUAL]),
 )]
 
 # A second sweep picks up what one rule set's rewrite exposes to an earlier one (e.g. GPT-2's

@@ -1,4 +1,4 @@
-"""Raising rules for rotary embeddings and attention (causal mask, GQA, scale).
+"""Raising rules for rotary embeddings and attention (causal or sliding-window mask, GQA, scale).
 
 Both lean on semantic probing (probe.py): rotary cos/sin tensors and attention masks are computed
 from positions only, so evaluating them tells exactly what they are, whatever the exporter wrote.
@@ -237,7 +237,7 @@ def _peel_scale(v: Value) -> tuple[Value, float]:
             return v, f
 
 
-def _unrepeat_kv(v: Value) -> Value:
+def unrepeat_kv(v: Value) -> Value:
     """k0 when v = Reshape(Expand(Unsqueeze(k0, [2]), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])."""
     r = prod(v, "Reshape")
     e = prod(r.inputs[0], "Expand") if r is not None else None
@@ -251,6 +251,12 @@ def _unrepeat_kv(v: Value) -> Value:
     return k0
 
 
+def _uncapped(v: Value) -> Value:
+    """x's scale-stripped core when v = tanh([scale *] x) (a soft-cap's inside), else v."""
+    n = v.producer
+    return _peel_scale(n.inputs[0])[0] if n is not None and n.op == "Tanh" and n.inputs[0] is not None else v
+
+
 def _softmax_last_axis(m: Match) -> str | None:
     n = m.root
     if n.output.type.rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
@@ -258,16 +264,53 @@ def _softmax_last_axis(m: Match) -> str | None:
     return None
 
 
+def _alibi_slopes(g: Graph, bias: Value, scale: float) -> list[float] | str:
+    """Per-head slopes when `bias` (times `scale`) is ALiBi: on every probe, within each head and
+    query row, slope_h * key position plus a constant (softmax ignores the constant: BLOOM's
+    slope * k and MPT's slope * (k - T + 1) are the same); or why not."""
+    key = ("alibi", id(bias), scale)
+    memo = _cache(g)
+    if key in memo:
+        return memo[key]  # type: ignore[no-any-return]
+    why = probe.is_position_only(g, [bias])
+    slopes: torch.Tensor | None = None
+    for pr in (probe.Probe(0, 5), probe.Probe(0, 12)):
+        if why:
+            break
+        got = probe.try_evaluate(g, [bias], pr)
+        if isinstance(got, str):
+            why = got
+            break
+        b = got[0].double() * scale
+        if b.dim() < 3 or b.shape[-1] != pr.seq or b.shape[-2] not in (1, pr.seq):
+            why = f"bias shape {tuple(b.shape)} does not fit {pr.seq} queries x {pr.seq} keys"
+            break
+        b = b.reshape(-1, b.shape[-2], b.shape[-1]).expand(-1, pr.seq, pr.seq)
+        rel = b - b[:, :, :1]  # each row from its first key; only keys a causal query sees count
+        sl = rel[:, -1, 1]
+        want = (sl[:, None, None] * torch.arange(pr.seq, dtype=b.dtype)[None, None, :]).expand_as(rel)
+        keep = torch.ones(pr.seq, pr.seq, dtype=torch.bool).tril()
+        if not torch.allclose(rel[:, keep], want[:, keep], atol=1e-5, rtol=1e-5):
+            why = "not a linear bias in the key position per head (ALiBi)"
+            break
+        if slopes is not None and not torch.allclose(sl, slopes, atol=1e-6):
+            why = "ALiBi slopes differ between probes"
+            break
+        slopes = sl
+    memo[key] = why if why or slopes is None else [float(x) for x in slopes.float()]
+    return memo[key]  # type: ignore[no-any-return]
+
+
 def _check_attention(m: Match) -> str | None:
     """The scores: [scale *] q k^T [* scale] [+ mask | masked by Where], read upward through casts
     and any number of scalar factors (which the pattern language cannot repeat)."""
     g = m.graph
     s = strip(m["s"])
-    mask, additive = None, True
+    mask, additive, inverted = None, True, False
     sp = s.producer
     if sp is not None and sp.op == "Add":
         lhs, rhs = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
-        lcore, rcore = _peel_scale(lhs)[0], _peel_scale(rhs)[0]
+        lcore, rcore = _uncapped(_peel_scale(lhs)[0]), _uncapped(_peel_scale(rhs)[0])
         a0, a1 = sp.inputs[0], sp.inputs[1]
         assert a0 is not None and a1 is not None
         if prod(lcore, "MatMul") is not None and lcore.data is None:
@@ -275,6 +318,12 @@ def _check_attention(m: Match) -> str | None:
         elif prod(rcore, "MatMul") is not None:
             s, mask = a1, a0
         else:
+            for c in (lcore, rcore):
+                r = prod(c, "Reshape")
+                x = r.inputs[0] if r is not None else None
+                if x is not None and x.type.rank == 3 and prod(strip(x), "Add") is not None:
+                    return (f"attention bias at '{strip(x).producer.name}': scores batched as [B*H, T, S] "  # type: ignore[union-attr]
+                            "plus a bias (BLOOM's baddbmm ALiBi form) are not supported")
             return "softmax input is not scores + mask"
     elif sp is not None and sp.op == "Where":
         fill = scalar(sp.inputs[2]) if scalar(sp.inputs[2]) is not None else scalar(sp.inputs[1])
@@ -282,9 +331,37 @@ def _check_attention(m: Match) -> str | None:
             return "Where-masked scores without a large negative fill"
         if scalar(sp.inputs[2]) is not None and sp.inputs[1] is not None:
             s, mask, additive = sp.inputs[1], sp.inputs[0], False
+        elif sp.inputs[2] is not None:  # masked_fill(drop, fill): the fill on the true branch
+            s, mask, additive, inverted = sp.inputs[2], sp.inputs[0], False, True
         else:
-            return "inverted Where mask (fill on the true branch) is not supported"
+            return "Where-masked scores without a scores branch"
+    if m.get("p_3d") is not None:  # softmax -> Reshape [B*H, T, S] -> bmm: only said why, not raised
+        return "attention probabilities reshaped to [B*H, T, S] before the PV product are not supported"
     core, scale = _peel_scale(s)
+    softcap = 0.0
+    tanh = core.producer
+    if tanh is not None and tanh.op == "Tanh" and tanh.inputs[0] is not None:
+        # soft-capping (Gemma 2): c * tanh(a * q k^T) is Attention(scale=a * c, softcap=c)
+        if scale <= 0:
+            return "soft-capped scores with a non-positive cap"
+        core, inner = _peel_scale(tanh.inputs[0])
+        softcap, scale = scale, inner * scale
+    slopes: list[float] | None = None
+    bp = strip(core).producer
+    if bp is not None and bp.op == "Add":  # scores + an additive bias: ALiBi or refused
+        if softcap:
+            return "soft-capped scores plus an additive bias are not supported"
+        sides = [x for x in bp.inputs if x is not None]
+        qk_side = [x for x in sides if prod(_peel_scale(x)[0], "MatMul") is not None and x.data is None]
+        if len(sides) != 2 or not qk_side:
+            return "softmax input is not scores + bias"
+        bias = sides[1] if sides[0] is qk_side[0] else sides[0]
+        got = _alibi_slopes(g, bias, scale)
+        if isinstance(got, str):
+            return f"attention bias at '{bp.name}': {got}"
+        slopes = got
+        core, s2 = _peel_scale(qk_side[0])
+        scale *= s2
     qk = prod(core, "MatMul")
     if qk is None:
         return "scores are not a MatMul"
@@ -304,19 +381,26 @@ def _check_attention(m: Match) -> str | None:
     assert k is not None
     if q.shape is None or len(q.shape) != 4:
         return "Q is not [B, H, T, D]"
+    window = 0
     if mask is not None:
-        key = ("mask", id(mask), additive)
+        key = ("mask", id(mask), additive, inverted)
         memo = _cache(g)
         if key not in memo:
-            memo[key] = probe.classify_mask(g, mask, additive)
-        if memo[key] is not None:
+            memo[key] = probe.mask_window(g, mask, additive, _max_seq(g), inverted)
+        if isinstance(memo[key], str):
             return f"mask: {memo[key]}"
+        window = int(memo[key])
     m.bind("q", q)
-    m.bind("k", k if new_k_transpose else _unrepeat_kv(k))
-    m.bind("v0", _unrepeat_kv(m["v"]))
+    m.bind("k", k if new_k_transpose else unrepeat_kv(k))
+    m.bind("v0", unrepeat_kv(m["v"]))
     m.note("k_from_bshd", bool(new_k_transpose))
     m.note("scale", scale)
     m.note("causal", mask is not None)
+    m.note("window", window)
+    m.note("softcap", softcap)
+    if slopes is not None and len(slopes) != q.shape[1]:
+        return f"{len(slopes)} ALiBi slopes for {q.shape[1]} query heads"
+    m.note("alibi", slopes)
     m.cover(qk)
     return None
 
@@ -324,9 +408,15 @@ def _check_attention(m: Match) -> str | None:
 def _rw_attention(m: Match, g: Graph) -> Pairs:
     k = m["k"]
     if m.fact("k_from_bshd"):
-        k = _unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
-    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", scale=float(m.fact("scale")),
-                   causal=int(m.fact("causal")))
+        k = unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
+    attrs: dict[str, Any] = {"scale": float(m.fact("scale")), "causal": int(m.fact("causal"))}
+    if m.fact("window"):
+        attrs["window"] = int(m.fact("window"))
+    if m.fact("softcap"):
+        attrs["softcap"] = float(m.fact("softcap"))
+    if m.fact("alibi") is not None:
+        attrs["alibi"] = m.fact("alibi")
+    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", **attrs)
     return [(m.node("pv").output, out)]
 
 
@@ -341,9 +431,11 @@ ATTENTION = Rule(
     "attention",
     P.op("Softmax", P.var("s"), out="p", where=_softmax_last_axis,
          then=P.or_(P.op("Cast", P.var("p"), out="p_cast", keep=True, then=_times_v("p_cast")), _times_v("p"),
+                    P.op("Reshape", P.var("p"), P.any(), out="p_3d", keep=True, then=_times_v("p_3d")),
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
-    doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+    doc="softmax([c * tanh](q k^T * scale [/ c]) + causal [sliding-window] mask) v, GQA repeats stripped -> "
+        "Attention")
 
 
 # ---- head split / merge ------------------------------------------------------------------------
@@ -460,7 +552,7 @@ HEADS_ROUNDTRIP = Rule(
 def _check_attention_gqa(m: Match) -> str | None:
     if m.root.input(3) is not None:
         return "attention already reads a cache"
-    k0, v0 = _unrepeat_kv(m["k"]), _unrepeat_kv(m["v"])
+    k0, v0 = unrepeat_kv(m["k"]), unrepeat_kv(m["v"])
     if k0 is m["k"] or v0 is m["v"]:
         return "K/V are not repeated heads"
     m.bind("k0", k0)

@@ -235,6 +235,28 @@ RMSNORM = Rule(
     doc="x * 1/sqrt(mean(x^2) + eps) * w (and x / sqrt(...), casts) -> RMSNorm")
 
 
+def _check_rmsnorm_casts(m: Match) -> str | None:
+    x, up = m["x"], m.node("up")
+    if up.attrs.get("to") != "f32" or not x.dtype.is_float or x.dtype.value == "f32":
+        return "not a half input upcast to f32"
+    if m.root.attrs.get("to") != x.dtype.value:
+        return "not cast back to the input's dtype"
+    return None
+
+
+RMSNORM_CASTS = Rule(
+    "rmsnorm_casts",
+    P.op("Cast", P.op("RMSNorm", P.op("Cast", P.var("x"), name="up", why="input is not a Cast"), P.var("w"),
+                      name="norm", single_use=True, why="not a cast of an RMSNorm"),
+         why="not a cast of an RMSNorm"),
+    _check_rmsnorm_casts,
+    lambda m, g: [(m.root.output, new_node(g, "RMSNorm", [m["x"], m["w"]], "rmsnorm",
+                                           eps=m.node("norm").attrs.get("eps", 1e-6)))],
+    why="not a cast of an RMSNorm",
+    doc="Cast(RMSNorm(Cast(x, f32), w), x.dtype) -> RMSNorm(x, w): a half model's norm computed in "
+        "f32 with its weight applied before the cast back (Gemma's (1 + w)); RMSNorm computes in f32")
+
+
 # ---- MLPs ---------------------------------------------------------------------------------------
 
 _BIAS = "down projection has a bias"
@@ -317,7 +339,7 @@ MLP = Rule("mlp", P.op("Linear", P.var("a"), P.var("wd"), rest=True), _check_mlp
            doc="down(act(up(x))) -> MLP (GELU MLP)")
 
 
-def _half_slice(v: Value) -> tuple[Value, int] | None:
+def half_slice(v: Value) -> tuple[Value, int] | None:
     """(h, 0|1) when v is the first or second half of h along the last axis (Slice or Split)."""
     n = v.producer
     if n is None:
@@ -349,14 +371,14 @@ def _check_gated_fused(m: Match) -> str | None:
     mul, g = m.node("mul"), m.graph
     for gate_side, up_side in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
         assert gate_side is not None and up_side is not None
-        up = _half_slice(up_side)
+        up = half_slice(up_side)
         if up is None or up[1] != 1:
             continue
         h = up[0]
         lin = prod(h, "Linear")
         if lin is None or lin.input(2) is not None:
             continue
-        gate_src = next((o for o in _slice_users(g, h) if _half_slice(o) == (h, 0)), None)
+        gate_src = next((o for o in _slice_users(g, h) if half_slice(o) == (h, 0)), None)
         if gate_src is None:
             continue
         try:

@@ -267,6 +267,14 @@ def _max_dim(cx: FxContext, a: Args) -> list[Value]:
     return [cx.emit(red, x, axes=[d], keepdims=keep), cx.emit(arg, x, axis=d, keepdims=keep)]
 
 
+@aten_op("aten::topk.default")
+def _topk(cx: FxContext, a: Args) -> list[Value]:
+    if not a["largest"]:
+        raise cx.unsupported("largest=False (the k smallest) is not supported")
+    return cx.emit_multi("TopK", [a["self"]], 2, k=int(a["k"]), axis=int(a["dim"]), largest=1,
+                         sorted=int(bool(a["sorted"])))
+
+
 @aten_op("aten::argmax.default", "aten::argmin.default")
 def _argmax(cx: FxContext, a: Args) -> Value:
     op = "ArgMax" if "argmax" in cx.key else "ArgMin"

@@ -239,6 +239,28 @@ for _op in ("ArgMax", "ArgMin"):
         select_last_index=int(cx.attr("select_last_index", 0)))))(_op))
 
 
+
+@onnx_op("TopK", since=1)
+def _topk_attr(cx: Cx) -> list[Value]:
+    return _topk(cx, int(cx.attr("k")))
+
+
+@onnx_op("TopK", since=10)
+def _topk_input(cx: Cx) -> list[Value]:
+    k = cx.ints(1, "k")
+    if len(k) != 1:
+        raise cx.unsupported(f"k must be one value, got {k}")
+    return _topk(cx, k[0])
+
+
+def _topk(cx: Cx, k: int) -> list[Value]:
+    if not int(cx.attr("largest", 1)):
+        raise cx.unsupported("largest=0 (the k smallest) is not supported")
+    outs = cx.emit("TopK", cx.req(0), n_outputs=2, k=k, axis=int(cx.attr("axis", -1)), largest=1,
+                   sorted=int(cx.attr("sorted", 1)))
+    return list(outs)
+
+
 # ---- shape manipulation ---------------------------------------------------------------------------
 
 @onnx_op("Reshape", since=5)

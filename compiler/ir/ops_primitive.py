@@ -115,6 +115,20 @@ def _arg_reduce(node: Node) -> list[TensorType]:
 for _n in ("ArgMax", "ArgMin"):
     _def(_n, "primitive", 1, 1, "attrs: axis, keepdims, select_last_index")(_arg_reduce)
 
+@_def("TopK", "primitive", 1, 1, "outputs: values, indices (i64); attrs: k (static), axis, largest, sorted; "
+      "ties go to the lower index")
+def _topk(node: Node) -> list[TensorType]:
+    x = type_of(node.inputs[0])
+    if x.shape is None:
+        return [TensorType(x.dtype, None), TensorType(DType.i64, None)]
+    ax = norm_axis(node.attrs.get("axis", -1), len(x.shape), node)
+    k = int(node.attrs["k"])
+    if is_int(x.shape[ax]) and k > int(x.shape[ax]):
+        raise ShapeError(f"TopK '{node.name}': k={k} exceeds the axis extent {x.shape[ax]}")
+    sh = tuple(k if i == ax else d for i, d in enumerate(x.shape))
+    return [TensorType(x.dtype, sh), TensorType(DType.i64, sh)]
+
+
 for _n in ("Softmax", "LogSoftmax"):
     _def(_n, "primitive", 1, 1, "attrs: axis")(_same)
 

@@ -30,7 +30,9 @@ def _embedding(node: Node) -> list[TensorType]:
     return [TensorType(w.dtype, None if ids.shape is None else tuple(ids.shape) + (ws[1],))]
 
 
-@_def("RMSNorm", "transformer", 2, 2, "inputs: x, weight; attrs: eps")
+@_def("RMSNorm", "transformer", 2, 2,
+      "inputs: x, weight; attrs: eps. Over the last axis; on split heads x[B, H, T, D] with weight[D] "
+      "it is a per-head q/k norm (Qwen3, Gemma 3), which the megakernel applies where q/k are loaded")
 def _rmsnorm(node: Node) -> list[TensorType]:
     return [type_of(node.inputs[0])]
 
@@ -66,8 +68,12 @@ def _rope(node: Node) -> list[TensorType]:
 
 @_def("Attention", "transformer", 3, 6,
       "inputs: q[B, Hq, T, D], k[B, Hkv, S, D], v[B, Hkv, S, Dv], past_len?, k_cache?, v_cache?; "
-      "attrs: scale, causal, softcap. With a cache, k/v are the new tokens: they are written at "
-      "past_len and q attends over cache[:past_len+T].")
+      "attrs: scale, causal, softcap (scores become softcap * tanh(scores / softcap)), window "
+      "(causal sliding window: the query at position p attends over keys p-window+1..p; 0 or "
+      "absent: all earlier keys), alibi. With a cache, k/v are the new tokens: they are written at "
+      "past_len and q attends over cache[:past_len+T] (within the window). alibi: per-query-head "
+      "slopes [Hq] (ALiBi, BLOOM / MPT): the scaled score of key position j gains alibi[h] * j "
+      "(absolute positions, so decode equals prefill; softmax ignores each row's constant).")
 def _attention(node: Node) -> list[TensorType]:
     q = _need_rank(node.inputs[0], 4, node, "q [B, Hq, T, D]")
     k = _need_rank(node.inputs[1], 4, node, "k [B, Hkv, S, D]")
@@ -83,6 +89,26 @@ def _attention(node: Node) -> list[TensorType]:
       "inputs: x, w_gate[F, H], w_up[F, H], w_down[H, F]; attrs: activation (silu|gelu|gelu_tanh)")
 def _gated_mlp(node: Node) -> list[TensorType]:
     return [type_of(node.inputs[0])]
+
+
+@_def("MoE", "transformer", 5, 5,
+      "mixture of experts: inputs: x[..., H], w_router[E, H], w_gate[E, F, H], w_up[E, F, H], "
+      "w_down[E, H, F]; attrs: top_k, normalize (0|1), activation (silu|gelu|gelu_tanh). Per token: "
+      "p = softmax(x w_router^T) over the E experts (in f32), its top_k largest p_i (ties: the lower "
+      "expert), divided by their sum when normalize; out = sum_i p_i * GatedMLP(x, w_gate[e_i], "
+      "w_up[e_i], w_down[e_i]) over the selected experts e_i only")
+def _moe(node: Node) -> list[TensorType]:
+    x = type_of(node.inputs[0])
+    e, h = _need_rank(node.inputs[1], 2, node, "w_router [E, H]")
+    for i, what in ((2, "w_gate [E, F, H]"), (3, "w_up [E, F, H]"), (4, "w_down [E, H, F]")):
+        if _need_rank(node.inputs[i], 3, node, what)[0] != e:
+            raise ShapeError(f"MoE '{node.name}': {what} does not have the router's {e} experts")
+    k = int(node.attrs["top_k"])
+    if is_int(e) and not 1 <= k <= int(e):
+        raise ShapeError(f"MoE '{node.name}': top_k={k} outside 1..{e} experts")
+    if x.shape is not None and is_int(x.shape[-1]) and is_int(h) and x.shape[-1] != h:
+        raise ShapeError(f"MoE '{node.name}': input features {x.shape[-1]} != router in-features {h}")
+    return [x]
 
 
 @_def("MLP", "transformer", 5, 5,

@@ -193,6 +193,15 @@ def _argmax(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [torch.argmax(y, dim=axis, keepdim=keep).long()]
 
 
+@kernel("TopK")
+def _topk(node: Node, xs: list[Any]) -> list[torch.Tensor]:
+    x = xs[0]
+    axis, k = node.attrs.get("axis", -1) % max(x.dim(), 1), int(node.attrs["k"])
+    # a stable descending sort: equal values keep their order, so ties go to the lower index (ONNX)
+    vals, idx = torch.sort(x, dim=axis, descending=True, stable=True)
+    return [vals.narrow(axis, 0, k).contiguous(), idx.narrow(axis, 0, k).contiguous()]
+
+
 @kernel("Softmax")
 def _softmax(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [torch.softmax(xs[0], dim=node.attrs.get("axis", -1))]
@@ -448,6 +457,34 @@ def _gated_mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     return [F.linear(_act(node.attrs.get("activation", "silu"), F.linear(x, wg)) * F.linear(x, wu), wd)]
 
 
+def moe_routing(node: Node, x: torch.Tensor, w_router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE's router: (weights [..., k] in f32, expert indices [..., k]) per token."""
+    probs = torch.softmax(F.linear(x, w_router).float(), dim=-1)
+    # a stable descending sort: ties go to the lower expert (ONNX TopK; torch.topk's order on ties
+    # is unspecified)
+    vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    k = int(node.attrs["top_k"])
+    vals, idx = vals[..., :k], idx[..., :k]
+    if node.attrs.get("normalize", 1):
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+    return vals, idx
+
+
+@kernel("MoE")
+def _moe(node: Node, xs: list[Any]) -> list[torch.Tensor]:
+    x, wr, wg, wu, wd = xs
+    vals, idx = moe_routing(node, x, wr)
+    act = node.attrs.get("activation", "silu")
+    flat, fv, fi = x.reshape(-1, x.shape[-1]), vals.reshape(-1, vals.shape[-1]), idx.reshape(-1, idx.shape[-1])
+    out = torch.zeros(flat.shape, dtype=torch.float32)
+    for t in range(flat.shape[0]):  # per token, only its selected experts, in top-k order
+        for j in range(fi.shape[1]):
+            e = int(fi[t, j])
+            y = F.linear(_act(act, F.linear(flat[t], wg[e])) * F.linear(flat[t], wu[e]), wd[e])
+            out[t] += fv[t, j] * y.float()
+    return [out.to(x.dtype).reshape(x.shape)]
+
+
 @kernel("MLP")
 def _mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, wu, bu, wd, bd = xs
@@ -521,9 +558,15 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     cap = node.attrs.get("softcap", 0.0)
     if cap:
         s = torch.tanh(s / cap) * cap
+    slopes = node.attrs.get("alibi")
+    if slopes:  # ALiBi: slope_h * absolute key position
+        s = s + torch.tensor(slopes, dtype=s.dtype)[:, None, None] * torch.arange(k.shape[2], dtype=s.dtype)
     if node.attrs.get("causal", 1):
         t, total = q.shape[2], k.shape[2]
         mask = torch.ones(t, total, dtype=torch.bool).tril(total - t)
+        window = int(node.attrs.get("window", 0) or 0)
+        if window > 0:  # query i (position total - t + i) keeps keys total - t + i - window < j
+            mask = mask.triu(total - t - window + 1)
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, -1)
     return [torch.matmul(p, v.float()).to(q.dtype)]

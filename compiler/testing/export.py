@@ -22,6 +22,16 @@
       standard ``Attention`` op (one per layer, all families incl. gpt2; the causal mask goes
       into it, so no Softmax/Where remain). Below opset 23, sdpa is decomposed like eager.
 
+    * mixture of experts (``mixtral``, ``qwen3_moe``): exported with transformers' ``batched_mm``
+      experts implementation (the family's ``experts_implementation``, set as
+      ``config._experts_implementation``): every token repeated top_k times, the experts' stacked
+      weights gathered by the top-k indices (``GatherND``), batched matrix-vector ``MatMul`` nodes,
+      ``TopK`` on the softmax of the router; all static-shaped. transformers' default
+      (``grouped_mm``) fails: on CPU it is the opaque custom op ``transformers::grouped_mm_fallback``,
+      which torch.onnx cannot translate ("No ONNX function found"); ``eager`` loops over
+      ``nonzero()`` of the expert mask, a data-dependent guard torch.export refuses. ``batched_mm``
+      is what a user exporting the model gets by passing ``experts_implementation="batched_mm"``.
+
 ``stateless_f16`` / ``stateless_bf16`` -- :func:`export_stateless` with ``dtype``
     The same export of the same weights cast to float16 / bfloat16: half-precision graphs (weights,
     activations and logits in that type), for the checks that must hold at any precision.

@@ -4,7 +4,10 @@ Families (:data:`FAMILIES`): the core ones every export route is tested on (:dat
 ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``), the families whose
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
-``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``). 2 layers, hidden 64, 4 heads
+``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the sliding-window
+``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), and ``gemma2``, ``gemma3``
+(local and global layers, soft-capping), and the q/k-norm and post-norm families ``qwen3``, ``olmo2``,
+``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
@@ -136,11 +139,67 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi": dict(model_type="phi", **_COMMON),
     # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
     # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
+    # sliding-window attention shorter than the context: each query attends over the last 4
+    # positions (itself included); Qwen2 windows only the layers from max_window_layers on (layer 1)
+    "mistral_win": dict(model_type="mistral", sliding_window=4, **_COMMON),
+    "qwen2_win": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1, **_COMMON),
+    "starcoder2_win": dict(model_type="starcoder2", sliding_window=4, **_COMMON),
+    # Gemma 2: local (window 4) and global layers alternating (layer_types: layer 0 sliding),
+    # attention-logit and final-logit soft-capping (c * tanh(x / c)), scores scaled by
+    # query_pre_attn_scalar^-0.5, sandwich (1 + w) RMSNorms around attention and MLP
+    "gemma2": dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, query_pre_attn_scalar=16, **_COMMON),
+    # Gemma 3: Gemma 2's layout without soft-capping, per-head q/k norms, a local rope theta on the
+    # sliding layer (layer_types spelled out: the default pattern windows every layer of two)
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"], **_COMMON),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
+    # Qwen3: per-head q/k RMSNorm (over head_dim, after the heads' split, before RoPE); no biases
+    "qwen3": dict(model_type="qwen3", **_COMMON),
+    # OLMo 2: q/k RMSNorm over the whole projections (before the heads' split), no pre-norms, and
+    # post-norms on the attention and MLP outputs before each residual add
+    "olmo2": dict(model_type="olmo2", **_COMMON),
+    # Gemma 2's sandwich norms ((1 + w) RMSNorm before and after attention and MLP) with the window
+    # at the positions' length and no soft-capping (those are features of their own)
+    "gemma2_nowin": dict(model_type="gemma2", sliding_window=256, attn_logit_softcapping=None,
+                         final_logit_softcapping=None, query_pre_attn_scalar=16, **_COMMON),
+    # Gemma 3: the sandwich norms, per-head (1 + w) q/k norm, and a local rope theta on its sliding
+    # layer (10k) that differs from the full layer's (1M); the window at the positions' length
+    "gemma3_nowin": dict(model_type="gemma3_text", sliding_window=256, query_pre_attn_scalar=16,
+                         layer_types=["sliding_attention", "full_attention"], **_COMMON),
+    # BLOOM: ALiBi (no rotary, no learned positions), LayerNorm on the embeddings
+    # (word_embeddings_layernorm), one query_key_value projection laid out per head, GELU MLP, biases
+    "bloom": dict(model_type="bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # MPT: ALiBi, fused Wqkv ([q k v] blocks), LayerNorm without bias, no linear biases, GELU MLP
+    "mpt": dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, vocab_size=256,
+                max_seq_len=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Falcon-7B style: multi-query attention (one KV head), rotary, parallel attention + MLP off one
+    # LayerNorm, no linear biases
+    "falcon": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                   vocab_size=256, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                   bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Falcon-40B style ("new decoder architecture"): GQA (2 KV heads), two LayerNorms (ln_attn,
+    # ln_mlp) feeding the parallel attention and MLP
+    "falcon_new": dict(model_type="falcon", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                       vocab_size=256, new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True,
+                       bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    # Mixture of experts (MoE): a router Linear, softmax, top-2 of 4 experts (renormalised), each
+    # expert a SwiGLU MLP; "batched_mm" is the experts implementation torch.onnx.export can trace
+    # (transformers' default "grouped_mm" is an opaque custom op on CPU, "eager" loops over
+    # nonzero(): data-dependent), see zlc.testing.export
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    experts_implementation="batched_mm", **_COMMON),
+    # Qwen3-MoE: top-2 of 4 experts with moe_intermediate_size 32, softmax weights NOT renormalised
+    # (norm_topk_prob=False, the HF default), every layer sparse; per-head q/k RMSNorm
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, experts_implementation="batched_mm", **_COMMON),
 }
 
+#: Mixture-of-experts families: router, top-k, the selected experts' gated MLPs.
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
 CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
@@ -172,8 +231,11 @@ def hf_config(family: str) -> Any:
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     kw = dict(FAMILIES[family])
+    experts = kw.pop("experts_implementation", None)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "eager"
+    if experts is not None:
+        cfg._experts_implementation = experts
     return cfg
 
 
@@ -181,7 +243,9 @@ def kv_spec(family: str) -> KVSpec:
     """KV-cache geometry of a family (see :class:`KVSpec`)."""
     cfg = hf_config(family)
     heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or heads
+    if cfg.model_type == "falcon" and cfg.multi_query and not cfg.new_decoder_architecture:
+        kv = 1  # Falcon-7B's multi-query attention: one KV head whatever num_kv_heads says
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return KVSpec(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size)
 
