@@ -192,7 +192,8 @@ class TaskBuilder:
 
     def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
                   w2: Value | None = None, bias: Value | None = None, act: str = "none",
-                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False) -> Buf:
+                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False,
+                  softcap: float = 0.0) -> Buf:
         if isinstance(x, Norm):
             src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
         elif isinstance(x, (Buf, AttnOut)):
@@ -217,7 +218,7 @@ class TaskBuilder:
             5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
             7: self.buffers[residual.name].offset if residual else -1,
             8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
-            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps})
+            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps, 1: softcap})
         # Decode after split-KV attention with fuse_combine: the row is merged from the attention
         # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
         # size), so no combine op stands between attention and this projection.
@@ -230,7 +231,7 @@ class TaskBuilder:
                 7: self.buffers[residual.name].offset if residual else -1,
                 8: self.buffers[out.name].offset, 9: out.cols, 10: NORM_COMBINE, 11: x.splits, 12: x.head_dim,
                 13: ACTIVATIONS[act], 14: int(lm), 15: self.buffers[partials.name].offset if partials else -1},
-                {0: eps})
+                {0: eps, 1: softcap})
 
         def tasks_for(mode: str) -> list[Task]:
             out_tasks = []
@@ -357,7 +358,11 @@ class TaskBuilder:
         x = self.view(n.inputs[0], n)
         wv = self._const(n.inputs[1], n)
         self.vocab = int(wv.shape[0])  # type: ignore[index, arg-type]
-        out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True)
+        cap = float(n.attrs.get("softcap", 0.0) or 0.0)
+        if cap < 0:
+            raise ScheduleError(f"node '{n.name}' (LMHead): negative softcap {cap}")
+        # softcap: the logits are cap * tanh(y / cap) (descriptor float 1), before the argmax partial
+        out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True, softcap=cap)
         self.logits = out.name
         self.views[id(n.output)] = out
         self.add_op("argmax", [Task(OP_ARGMAX, self.desc("argmax", {

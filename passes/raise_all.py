@@ -28,6 +28,7 @@ from .raise_layers import (
     LINEAR,
     LINEAR_RESHAPE,
     LM_HEAD,
+    LM_HEAD_SOFTCAP,
     MLP,
     RMSNORM,
     SLICE_LINEAR,
@@ -53,7 +54,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
     ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS]),
-    ("raise-lm-head", [LM_HEAD]),
+    ("raise-lm-head", [LM_HEAD_SOFTCAP, LM_HEAD]),
     ("raise-blocks", [HEADS_QKV, HEADS_GATHER, PARALLEL_RESIDUAL]),
 )]
 

@@ -73,17 +73,20 @@ def test_verifies_with_the_window_on_each_layer(family: str) -> None:
 def test_gemma_raises_local_and_global_attention(family: str, softcap: float | None) -> None:
     """Gemma 2's and 3's local layer (0, window 4) and global layer (1), scaled by
     query_pre_attn_scalar^-0.5 = 1/4; Gemma 2's soft-capped at 50 (raising folds
-    c * tanh(q k^T / 4 / c) into Attention). The reference agrees with ONNX Runtime; the kernels
-    wait for the sandwich norms (and Gemma 2's final-logit soft-cap)."""
+    c * tanh(q k^T / 4 / c) into Attention) and its logits at 30 (LMHead's softcap). The reference
+    agrees with ONNX Runtime."""
     import zlc
     from zlc.verifier import verify
 
     path = zoo.cached("stateless", family, 20)
     rep = verify(path, steps=8, max_seq=64)
     assert rep.ok, rep.summary()
-    attn = [n for n in zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode.nodes if n.op == "Attention"]
+    decode = zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode
+    attn = [n for n in decode.nodes if n.op == "Attention"]
     assert [(n.attrs.get("window", 0), n.attrs.get("softcap"), n.attrs["scale"]) for n in attn] == \
         [(4, softcap, pytest.approx(0.25)), (0, softcap, pytest.approx(0.25))]
+    head = [n for n in decode.nodes if n.op == "LMHead"]
+    assert [n.attrs.get("softcap") for n in head] == [30.0 if family == "gemma2" else None]
 
 
 @pytest.mark.slow
