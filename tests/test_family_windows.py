@@ -1,5 +1,6 @@
 """Sliding-window attention: Mistral, Qwen2 (windowed only from `max_window_layers` on) and
-Starcoder2 with a window of 4 keys, shorter than the prompt plus the new tokens.
+Starcoder2 with a window of 4 keys, shorter than the prompt plus the new tokens; Gemma 2 and 3
+(local and global layers alternating, Gemma 2's attention-logit and final-logit soft-capping).
 
 Raising reads the window off the exported mask by probing it (passes/probe.py `mask_window`) and
 writes it on the Attention node (`window`); the KV cache stays full-length and each query attends
@@ -123,6 +124,39 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens() -> None:
     assert _windows(lowered.decode) == WINDOWS["mistral_win"]
     assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy("mistral_win", PROMPT)
     assert megakernel_fit(lowered.decode, lowered.max_seq).compilable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_bundle_gives_hugging_faces_greedy_tokens_and_the_references_logits(family: str,
+                                                                                 tmp_path: Path) -> None:
+    """Gemma 2 and 3 end to end: local/global layers, sandwich norms, Gemma 2's soft-caps, Gemma
+    3's q/k norms. The tiny tied Gemmas mostly repeat the last prompt token, so besides HF's greedy
+    tokens, every launch's logits (a 9-token prompt, past the window, then 4 steps) are compared
+    with the reference executor's on both kernels."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    import zlc
+    from zlc.reference.session import ReferenceSession
+
+    out = tmp_path / f"{family}.zlc"
+    want = _hf_greedy(family, PROMPT)
+    assert _compile_and_run(family, out, PROMPT, 64, NEW_TOKENS) == {"interpret": want, "cpu": want}
+    lowered = zlc.lower(zoo.cached("stateless", family, 20), options=zlc.CompileOptions(max_seq=64))
+    prompt = [(11 * i + 5) % 256 for i in range(9)]
+    for device in ("interpret", "cpu"):
+        ref = ReferenceSession.from_lowered(lowered)
+        with zlc.load(out).session(device) as s:
+            tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+            exp = ref.prefill(prompt).numpy()
+            assert lg is not None and float(np.abs(lg - exp).max()) <= 1e-4, device
+            assert tok == int(exp[-1].argmax())
+            for _ in range(4):
+                tok, lg = s.step(tok, want_logits=True)
+                exp = ref.step(int(exp.reshape(-1, exp.shape[-1])[-1].argmax())).numpy().reshape(-1)
+                assert lg is not None and float(np.abs(lg[0] - exp).max()) <= 1e-4, device
+                assert tok == int(exp.argmax()), device
 
 
 # ---- the semantics ----------------------------------------------------------------------------
