@@ -18,7 +18,9 @@ from .raise_attention import (
     ROPE,
     ROPE_TABLES,
     SPLIT_HEADS,
+    SQUEEZE_ROUNDTRIP,
     STATIC_SELECT,
+    UNBATCH_MATMUL,
 )
 from .raise_blocks import HEADS_GATHER, HEADS_QKV, PARALLEL_RESIDUAL, ROPE_OF_REPEAT
 from .raise_layers import (
@@ -47,7 +49,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-linear", [LINEAR, LINEAR_RESHAPE]),
     ("raise-rope", [ROPE, ROPE_PAIRS, ROPE_TABLES, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST,
                     SWAP_PAIR, ROPE_OF_REPEAT]),
-    ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
+    ("raise-attention", [UNBATCH_MATMUL, ATTENTION, ATTENTION_GQA, STATIC_SELECT, SQUEEZE_ROUNDTRIP]),
     ("raise-moe", [MOE]),
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),

@@ -237,6 +237,47 @@ def _peel_scale(v: Value) -> tuple[Value, float]:
             return v, f
 
 
+def _unbatch(v: Value) -> Value:
+    """Strips what unbatch_matmul leaves around a [1, H, T, S] product: Squeeze(axes [0]) to
+    [H, T, S] and a Reshape back to [1, H, T, S] (BLOOM's [B*H] batched scores)."""
+    while True:
+        v = strip(v)
+        n = v.producer
+        x = n.inputs[0] if n is not None else None
+        if n is None or x is None or x.shape is None or v.shape is None:
+            return v
+        if n.op == "Squeeze" and n.attrs.get("axes") == [0] and len(x.shape) == 4 and x.shape[0] == 1:
+            v = x
+        elif n.op == "Reshape" and len(x.shape) == 3 and len(v.shape) == 4 and v.shape[0] == 1 \
+                and tuple(v.shape[1:]) == tuple(x.shape):
+            v = x
+        else:
+            return v
+
+
+def _peel(v: Value) -> tuple[Value, float]:
+    """_peel_scale and _unbatch, alternately, until neither strips anything."""
+    f = 1.0
+    while True:
+        v, g = _peel_scale(v)
+        f *= g
+        u = _unbatch(v)
+        if u is v:
+            return v, f
+        v = u
+
+
+def _is_scores(v: Value) -> bool:
+    """q k^T (scaled), or q k^T plus a bias: the scores side of `scores + mask`."""
+    core = _peel(v)[0]
+    if core.data is not None:
+        return False
+    if prod(core, "MatMul") is not None:
+        return True
+    add = prod(core, "Add")
+    return add is not None and any(x is not None and prod(_peel(x)[0], "MatMul") is not None for x in add.inputs)
+
+
 def unrepeat_kv(v: Value) -> Value:
     """k0 when v = Reshape(Expand(Unsqueeze(k0, [2]), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])."""
     r = prod(v, "Reshape")
@@ -307,9 +348,9 @@ def _check_attention(m: Match) -> str | None:
         lcore, rcore = _peel_scale(lhs)[0], _peel_scale(rhs)[0]
         a0, a1 = sp.inputs[0], sp.inputs[1]
         assert a0 is not None and a1 is not None
-        if prod(lcore, "MatMul") is not None and lcore.data is None:
+        if _is_scores(lhs):
             s, mask = a0, a1
-        elif prod(rcore, "MatMul") is not None:
+        elif _is_scores(rhs):
             s, mask = a1, a0
         else:
             for c in (lcore, rcore):
@@ -317,7 +358,7 @@ def _check_attention(m: Match) -> str | None:
                 x = r.inputs[0] if r is not None else None
                 if x is not None and x.type.rank == 3 and prod(strip(x), "Add") is not None:
                     return (f"attention bias at '{strip(x).producer.name}': scores batched as [B*H, T, S] "  # type: ignore[union-attr]
-                            "plus a bias (BLOOM's baddbmm ALiBi form) are not supported")
+                            "plus a bias, not liftable to [B, H, T, S] (unbatch_matmul), are not supported")
             return "softmax input is not scores + mask"
     elif sp is not None and sp.op == "Where":
         fill = scalar(sp.inputs[2]) if scalar(sp.inputs[2]) is not None else scalar(sp.inputs[1])
@@ -331,12 +372,12 @@ def _check_attention(m: Match) -> str | None:
             return "Where-masked scores without a scores branch"
     if m.get("p_3d") is not None:  # softmax -> Reshape [B*H, T, S] -> bmm: only said why, not raised
         return "attention probabilities reshaped to [B*H, T, S] before the PV product are not supported"
-    core, scale = _peel_scale(s)
+    core, scale = _peel(s)
     slopes: list[float] | None = None
     bp = strip(core).producer
     if bp is not None and bp.op == "Add":  # scores + an additive bias: ALiBi or refused
         sides = [x for x in bp.inputs if x is not None]
-        qk_side = [x for x in sides if prod(_peel_scale(x)[0], "MatMul") is not None and x.data is None]
+        qk_side = [x for x in sides if prod(_peel(x)[0], "MatMul") is not None and x.data is None]
         if len(sides) != 2 or not qk_side:
             return "softmax input is not scores + bias"
         bias = sides[1] if sides[0] is qk_side[0] else sides[0]
@@ -344,7 +385,7 @@ def _check_attention(m: Match) -> str | None:
         if isinstance(got, str):
             return f"attention bias at '{bp.name}': {got}"
         slopes = got
-        core, s2 = _peel_scale(qk_side[0])
+        core, s2 = _peel(qk_side[0])
         scale *= s2
     qk = prod(core, "MatMul")
     if qk is None:
@@ -410,6 +451,65 @@ ATTENTION = Rule(
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
     doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+
+
+# ---- [B*H]-batched products (BLOOM's baddbmm / bmm) ------------------------------------------------
+
+_NOT_BATCHED = "not a product of [1, H, T, D] tensors reshaped to [H, T, D]"
+
+
+def _heads_3d(v: Value | None) -> tuple[Value, bool] | None:
+    """x4 [1, H, T, D] when v = Reshape(x4) [H, T, D], or Transpose(Reshape(x4), [0, 2, 1]) (then
+    True: the product reads it transposed)."""
+    if v is None:
+        return None
+    transposed = False
+    t = prod(v, "Transpose")
+    if t is not None and t.attrs.get("perm") == [0, 2, 1]:
+        v, transposed = t.inputs[0], True
+    r = prod(v, "Reshape") if v is not None else None
+    x = r.inputs[0] if r is not None else None
+    if x is None or x.shape is None or v is None or v.shape is None or len(x.shape) != 4 or len(v.shape) != 3 \
+            or x.shape[0] != 1 or tuple(x.shape[1:]) != tuple(v.shape):
+        return None
+    return x, transposed
+
+
+def _check_unbatch(m: Match) -> str | None:
+    a, b = _heads_3d(m.root.inputs[0]), _heads_3d(m.root.inputs[1])
+    if a is None or b is None or a[1]:
+        return _NOT_BATCHED
+    m.bind("a4", a[0])
+    m.bind("b4", b[0])
+    m.note("b_t", b[1])
+    return None
+
+
+def _rw_unbatch(m: Match, g: Graph) -> Pairs:
+    b = m["b4"]
+    if m.fact("b_t"):
+        b = new_node(g, "Transpose", [b], "transpose", perm=[0, 1, 3, 2])
+    mm = new_node(g, "MatMul", [m["a4"], b], "matmul")
+    return [(m.root.output, new_node(g, "Squeeze", [mm], "squeeze", axes=[0]))]
+
+
+UNBATCH_MATMUL = Rule(
+    "unbatch_matmul", P.op("MatMul", P.any(), P.any()), _check_unbatch, _rw_unbatch, why=_NOT_BATCHED,
+    doc="MatMul of [1,H,T,D] heads reshaped to [H,T,D] (bmm) -> Squeeze(MatMul of the heads, [0])")
+
+
+def _check_squeeze_roundtrip(m: Match) -> str | None:
+    x = m["x"]
+    if m.node("sq").attrs.get("axes") != [0] or x.type != m.root.output.type:
+        return "not Reshape(Squeeze(x, [0])) back to x's type"
+    return None
+
+
+SQUEEZE_ROUNDTRIP = Rule(
+    "squeeze_roundtrip", P.op("Reshape", P.op("Squeeze", P.var("x"), name="sq", why="input is not a Squeeze"),
+                              P.any()),
+    _check_squeeze_roundtrip, lambda m, g: [(m.root.output, m["x"])],
+    doc="Reshape(Squeeze(x, [0])) with x's own type -> x")
 
 
 # ---- head split / merge ------------------------------------------------------------------------
