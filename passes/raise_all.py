@@ -18,9 +18,7 @@ from .raise_attention import (
     ROPE,
     ROPE_TABLES,
     SPLIT_HEADS,
-    SQUEEZE_ROUNDTRIP,
     STATIC_SELECT,
-    UNBATCH_MATMUL,
 )
 from .raise_blocks import HEADS_GATHER, HEADS_QKV, PARALLEL_RESIDUAL, ROPE_OF_REPEAT
 from .raise_layers import (
@@ -38,6 +36,7 @@ from .raise_layers import (
 from .raise_moe import MOE
 from .raise_rope_forms import ROPE_PAIRS, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST, SWAP_PAIR
 from .raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from .raise_scores import SQUEEZE_ROUNDTRIP, UNBATCH_MATMUL
 from .raising import RaiseStats, raising_rules
 from .rewrite import RewriteStats, RuleSet
 

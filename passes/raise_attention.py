@@ -16,6 +16,7 @@ from zlc.ir import Graph, Node, Value
 from . import probe
 from .match import prod, slice_bounds, strip
 from .pattern import OpPattern, scalar
+from .raise_scores import alibi_slopes, unbatch
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
@@ -237,31 +238,13 @@ def _peel_scale(v: Value) -> tuple[Value, float]:
             return v, f
 
 
-def _unbatch(v: Value) -> Value:
-    """Strips what unbatch_matmul leaves around a [1, H, T, S] product: Squeeze(axes [0]) to
-    [H, T, S] and a Reshape back to [1, H, T, S] (BLOOM's [B*H] batched scores)."""
-    while True:
-        v = strip(v)
-        n = v.producer
-        x = n.inputs[0] if n is not None else None
-        if n is None or x is None or x.shape is None or v.shape is None:
-            return v
-        if n.op == "Squeeze" and n.attrs.get("axes") == [0] and len(x.shape) == 4 and x.shape[0] == 1:
-            v = x
-        elif n.op == "Reshape" and len(x.shape) == 3 and len(v.shape) == 4 and v.shape[0] == 1 \
-                and tuple(v.shape[1:]) == tuple(x.shape):
-            v = x
-        else:
-            return v
-
-
 def _peel(v: Value) -> tuple[Value, float]:
     """_peel_scale and _unbatch, alternately, until neither strips anything."""
     f = 1.0
     while True:
         v, g = _peel_scale(v)
         f *= g
-        u = _unbatch(v)
+        u = unbatch(v)
         if u is v:
             return v, f
         v = u
@@ -297,43 +280,6 @@ def _softmax_last_axis(m: Match) -> str | None:
     if n.output.type.rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
         return "softmax is not over the last axis of a rank-4 tensor"
     return None
-
-
-def _alibi_slopes(g: Graph, bias: Value, scale: float) -> list[float] | str:
-    """Per-head slopes when `bias` (times `scale`) is ALiBi: on every probe, within each head and
-    query row, slope_h * key position plus a constant (softmax ignores the constant: BLOOM's
-    slope * k and MPT's slope * (k - T + 1) are the same); or why not."""
-    key = ("alibi", id(bias), scale)
-    memo = _cache(g)
-    if key in memo:
-        return memo[key]  # type: ignore[no-any-return]
-    why = probe.is_position_only(g, [bias])
-    slopes: torch.Tensor | None = None
-    for pr in (probe.Probe(0, 5), probe.Probe(0, 12)):
-        if why:
-            break
-        got = probe.try_evaluate(g, [bias], pr)
-        if isinstance(got, str):
-            why = got
-            break
-        b = got[0].double() * scale
-        if b.dim() < 3 or b.shape[-1] != pr.seq or b.shape[-2] not in (1, pr.seq):
-            why = f"bias shape {tuple(b.shape)} does not fit {pr.seq} queries x {pr.seq} keys"
-            break
-        b = b.reshape(-1, b.shape[-2], b.shape[-1]).expand(-1, pr.seq, pr.seq)
-        rel = b - b[:, :, :1]  # each row from its first key; only keys a causal query sees count
-        sl = rel[:, -1, 1]
-        want = (sl[:, None, None] * torch.arange(pr.seq, dtype=b.dtype)[None, None, :]).expand_as(rel)
-        keep = torch.ones(pr.seq, pr.seq, dtype=torch.bool).tril()
-        if not torch.allclose(rel[:, keep], want[:, keep], atol=1e-5, rtol=1e-5):
-            why = "not a linear bias in the key position per head (ALiBi)"
-            break
-        if slopes is not None and not torch.allclose(sl, slopes, atol=1e-6):
-            why = "ALiBi slopes differ between probes"
-            break
-        slopes = sl
-    memo[key] = why if why or slopes is None else [float(x) for x in slopes.float()]
-    return memo[key]  # type: ignore[no-any-return]
 
 
 def _check_attention(m: Match) -> str | None:
@@ -381,7 +327,7 @@ def _check_attention(m: Match) -> str | None:
         if len(sides) != 2 or not qk_side:
             return "softmax input is not scores + bias"
         bias = sides[1] if sides[0] is qk_side[0] else sides[0]
-        got = _alibi_slopes(g, bias, scale)
+        got = alibi_slopes(g, bias, scale, _cache(g))
         if isinstance(got, str):
             return f"attention bias at '{bp.name}': {got}"
         slopes = got
@@ -451,65 +397,6 @@ ATTENTION = Rule(
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
     doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
-
-
-# ---- [B*H]-batched products (BLOOM's baddbmm / bmm) ------------------------------------------------
-
-_NOT_BATCHED = "not a product of [1, H, T, D] tensors reshaped to [H, T, D]"
-
-
-def _heads_3d(v: Value | None) -> tuple[Value, bool] | None:
-    """x4 [1, H, T, D] when v = Reshape(x4) [H, T, D], or Transpose(Reshape(x4), [0, 2, 1]) (then
-    True: the product reads it transposed)."""
-    if v is None:
-        return None
-    transposed = False
-    t = prod(v, "Transpose")
-    if t is not None and t.attrs.get("perm") == [0, 2, 1]:
-        v, transposed = t.inputs[0], True
-    r = prod(v, "Reshape") if v is not None else None
-    x = r.inputs[0] if r is not None else None
-    if x is None or x.shape is None or v is None or v.shape is None or len(x.shape) != 4 or len(v.shape) != 3 \
-            or x.shape[0] != 1 or tuple(x.shape[1:]) != tuple(v.shape):
-        return None
-    return x, transposed
-
-
-def _check_unbatch(m: Match) -> str | None:
-    a, b = _heads_3d(m.root.inputs[0]), _heads_3d(m.root.inputs[1])
-    if a is None or b is None or a[1]:
-        return _NOT_BATCHED
-    m.bind("a4", a[0])
-    m.bind("b4", b[0])
-    m.note("b_t", b[1])
-    return None
-
-
-def _rw_unbatch(m: Match, g: Graph) -> Pairs:
-    b = m["b4"]
-    if m.fact("b_t"):
-        b = new_node(g, "Transpose", [b], "transpose", perm=[0, 1, 3, 2])
-    mm = new_node(g, "MatMul", [m["a4"], b], "matmul")
-    return [(m.root.output, new_node(g, "Squeeze", [mm], "squeeze", axes=[0]))]
-
-
-UNBATCH_MATMUL = Rule(
-    "unbatch_matmul", P.op("MatMul", P.any(), P.any()), _check_unbatch, _rw_unbatch, why=_NOT_BATCHED,
-    doc="MatMul of [1,H,T,D] heads reshaped to [H,T,D] (bmm) -> Squeeze(MatMul of the heads, [0])")
-
-
-def _check_squeeze_roundtrip(m: Match) -> str | None:
-    x = m["x"]
-    if m.node("sq").attrs.get("axes") != [0] or x.type != m.root.output.type:
-        return "not Reshape(Squeeze(x, [0])) back to x's type"
-    return None
-
-
-SQUEEZE_ROUNDTRIP = Rule(
-    "squeeze_roundtrip", P.op("Reshape", P.op("Squeeze", P.var("x"), name="sq", why="input is not a Squeeze"),
-                              P.any()),
-    _check_squeeze_roundtrip, lambda m, g: [(m.root.output, m["x"])],
-    doc="Reshape(Squeeze(x, [0])) with x's own type -> x")
 
 
 # ---- head split / merge ------------------------------------------------------------------------

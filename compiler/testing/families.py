@@ -4,7 +4,8 @@ Families (:data:`FAMILIES`): the core ones every export route is tested on (:dat
 ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``), the families whose
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
-``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``). 2 layers, hidden 64, 4 heads
+``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the ALiBi families ``bloom`` and
+``mpt`` and Falcon (``falcon``: multi-query, ``falcon_new``: GQA with two LayerNorms). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
