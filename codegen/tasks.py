@@ -461,6 +461,9 @@ class TaskBuilder:
                     {"prefill": appends_op, "decode": [] if fused else copy.deepcopy(appends_op)})
         out = self.buffer(n.name, hq * D)
         scale = n.attrs.get("scale") or 1.0 / math.sqrt(D)
+        window = int(n.attrs.get("window", 0) or 0)
+        if window < 0:
+            raise ScheduleError(f"node '{n.name}' (Attention): negative window {window}")
         slopes = [float(x) for x in n.attrs.get("alibi") or []]
         if slopes and len(slopes) != hq:
             raise ScheduleError(f"node '{n.name}' (Attention): {len(slopes)} ALiBi slopes for {hq} heads")
@@ -480,7 +483,9 @@ class TaskBuilder:
                 # fused append: the step's keys and values, read from the projections (k rotated
                 # on load); the first q head of each KV group writes them into the cache
                 16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
-                18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols}, floats)
+                18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols,
+                # a causal sliding window (0: none): the query at p attends over keys p-window+1..p
+                20: window}, floats)
 
         def reads(h: int, mode: str = "decode") -> list[Region]:
             g = h // (hq // hkv)

@@ -193,14 +193,53 @@ def optional_probe(p: Probe) -> bool:
     return p.past > 0 and p.seq > 1
 
 
-def classify_mask(g: Graph, mask: Value, additive: bool, inverted: bool = False) -> str | None:
-    """None if `mask` is a causal mask (bottom-right aligned) on every probe; else the reason.
+def _keep_mask(m: torch.Tensor, p: Probe, additive: bool, inverted: bool = False) -> torch.Tensor | str:
+    """The [N, seq, total] boolean keep-mask of a probed mask, or why it is not one."""
+    total = p.past + p.seq
+    if m.dim() < 2 or m.shape[-1] not in (1, total) or m.shape[-2] not in (1, p.seq):
+        return f"mask shape {tuple(m.shape)} does not fit {p.seq} queries x {total} keys"
+    m2 = m.reshape(-1, m.shape[-2], m.shape[-1])
+    m2 = m2.expand(m2.shape[0], p.seq, total)
+    if not additive:
+        return ~m2.bool() if inverted else m2.bool()
+    keep = m2 > -1.0
+    if not torch.all(m2[keep] == 0) or not torch.all(m2[~keep] <= -1e4):
+        return "additive mask has values other than 0 and a large negative number"
+    return keep
 
-    additive: 0 where attending and <= -1e4 (or -inf) where masked; else boolean keep-mask (with
-    `inverted`, a boolean drop-mask: masked_fill(mask, -inf))."""
+
+def causal_keep(seq: int, total: int, window: int = 0) -> torch.Tensor:
+    """[seq, total] keep-mask of bottom-right aligned causal attention; with `window` > 0, query i
+    (at position total - seq + i) keeps only the `window` keys ending at its own (HF's sliding
+    window: key j is kept when i_pos - window < j <= i_pos)."""
+    keep = torch.ones(seq, total, dtype=torch.bool).tril(total - seq)
+    return keep.triu(total - seq - window + 1) if window > 0 else keep
+
+
+def mask_window(g: Graph, mask: Value, additive: bool, max_seq: int, inverted: bool = False) -> int | str:
+    """0 if `mask` is a causal mask (bottom-right aligned) on every probe, W > 0 if it is a causal
+    sliding window of W keys (each query's own and the W - 1 before it); else the reason.
+
+    The window is read off one prefill of `max_seq` tokens (its last query row keeps min(W,
+    max_seq) keys: a window of max_seq or more never bites in the compiled context, so it is plain
+    causal), then every probe is checked against it. additive: 0 where attending and <= -1e4 (or
+    -inf) where masked; else boolean keep-mask (with `inverted`, a boolean drop-mask:
+    masked_fill(mask, -inf))."""
     why = is_position_only(g, [mask])
     if why:
         return f"mask {why}"
+    window = 0
+    longest = Probe(0, max_seq)
+    res = try_evaluate(g, [mask], longest)
+    if not isinstance(res, str):
+        keep = _keep_mask(res[0], longest, additive, inverted)
+        if isinstance(keep, str):
+            return keep
+        kept = int(keep[0, -1].sum())
+        window = kept if 0 < kept < max_seq else 0
+        if not torch.equal(keep, causal_keep(max_seq, max_seq, window).expand_as(keep)):
+            what = f"a sliding window of {window}" if window else "causal"
+            return f"mask is not {what} over {max_seq} tokens"
     roles = set(classify_inputs(g).values())
     probes = PROBES if (PAST_KEY in roles or MASK in roles or POSITIONS in roles) else \
         tuple(p for p in PROBES if p.past == 0)
@@ -210,19 +249,10 @@ def classify_mask(g: Graph, mask: Value, additive: bool, inverted: bool = False)
             if optional_probe(p):
                 continue
             return res
-        m = res[0]
-        total = p.past + p.seq
-        if m.dim() < 2 or m.shape[-1] not in (1, total) or m.shape[-2] not in (1, p.seq):
-            return f"mask shape {tuple(m.shape)} does not fit {p.seq} queries x {total} keys"
-        keep = torch.ones(p.seq, total, dtype=torch.bool).tril(total - p.seq)
-        m2 = m.reshape(-1, m.shape[-2], m.shape[-1])
-        m2 = m2.expand(m2.shape[0], p.seq, total)
-        if additive:
-            got_keep = m2 > -1.0
-            if not torch.all(m2[got_keep] == 0) or not torch.all(m2[~got_keep] <= -1e4):
-                return "additive mask has values other than 0 and a large negative number"
-        else:
-            got_keep = ~m2.bool() if inverted else m2.bool()
-        if not torch.equal(got_keep, keep.expand_as(got_keep)):
-            return f"mask is not causal at past={p.past}, seq={p.seq}"
-    return None
+        keep = _keep_mask(res[0], p, additive, inverted)
+        if isinstance(keep, str):
+            return keep
+        if not torch.equal(keep, causal_keep(p.seq, p.past + p.seq, window).expand_as(keep)):
+            what = f"a sliding window of {window}" if window else "causal"
+            return f"mask is not {what} at past={p.past}, seq={p.seq}"
+    return window

@@ -1,4 +1,4 @@
-"""Raising rules for rotary embeddings and attention (causal mask, GQA, scale).
+"""Raising rules for rotary embeddings and attention (causal or sliding-window mask, GQA, scale).
 
 Both lean on semantic probing (probe.py): rotary cos/sin tensors and attention masks are computed
 from positions only, so evaluating them tells exactly what they are, whatever the exporter wrote.
@@ -252,7 +252,7 @@ def _peel(v: Value) -> tuple[Value, float]:
 
 def _is_scores(v: Value) -> bool:
     """q k^T (scaled), or q k^T plus a bias: the scores side of `scores + mask`."""
-    core = _peel(v)[0]
+    core = _uncapped(_peel(v)[0])
     if core.data is not None:
         return False
     if prod(core, "MatMul") is not None:
@@ -275,6 +275,12 @@ def unrepeat_kv(v: Value) -> Value:
     return k0
 
 
+def _uncapped(v: Value) -> Value:
+    """x's scale-stripped core when v = tanh([scale *] x) (a soft-cap's inside), else v."""
+    n = v.producer
+    return _peel_scale(n.inputs[0])[0] if n is not None and n.op == "Tanh" and n.inputs[0] is not None else v
+
+
 def _softmax_last_axis(m: Match) -> str | None:
     n = m.root
     if n.output.type.rank != 4 or n.attrs.get("axis", -1) % 4 != 3:
@@ -291,7 +297,7 @@ def _check_attention(m: Match) -> str | None:
     sp = s.producer
     if sp is not None and sp.op == "Add":
         lhs, rhs = (strip(x) for x in sp.inputs)  # type: ignore[arg-type]
-        lcore, rcore = _peel_scale(lhs)[0], _peel_scale(rhs)[0]
+        lcore, rcore = _uncapped(_peel_scale(lhs)[0]), _uncapped(_peel_scale(rhs)[0])
         a0, a1 = sp.inputs[0], sp.inputs[1]
         assert a0 is not None and a1 is not None
         if _is_scores(lhs):
@@ -319,9 +325,19 @@ def _check_attention(m: Match) -> str | None:
     if m.get("p_3d") is not None:  # softmax -> Reshape [B*H, T, S] -> bmm: only said why, not raised
         return "attention probabilities reshaped to [B*H, T, S] before the PV product are not supported"
     core, scale = _peel(s)
+    softcap = 0.0
+    tanh = core.producer
+    if tanh is not None and tanh.op == "Tanh" and tanh.inputs[0] is not None:
+        # soft-capping (Gemma 2): c * tanh(a * q k^T) is Attention(scale=a * c, softcap=c)
+        if scale <= 0:
+            return "soft-capped scores with a non-positive cap"
+        core, inner = _peel(tanh.inputs[0])
+        softcap, scale = scale, inner * scale
     slopes: list[float] | None = None
     bp = strip(core).producer
     if bp is not None and bp.op == "Add":  # scores + an additive bias: ALiBi or refused
+        if softcap:
+            return "soft-capped scores plus an additive bias are not supported"
         sides = [x for x in bp.inputs if x is not None]
         qk_side = [x for x in sides if prod(_peel(x)[0], "MatMul") is not None and x.data is None]
         if len(sides) != 2 or not qk_side:
@@ -352,19 +368,23 @@ def _check_attention(m: Match) -> str | None:
     assert k is not None
     if q.shape is None or len(q.shape) != 4:
         return "Q is not [B, H, T, D]"
+    window = 0
     if mask is not None:
         key = ("mask", id(mask), additive, inverted)
         memo = _cache(g)
         if key not in memo:
-            memo[key] = probe.classify_mask(g, mask, additive, inverted)
-        if memo[key] is not None:
+            memo[key] = probe.mask_window(g, mask, additive, _max_seq(g), inverted)
+        if isinstance(memo[key], str):
             return f"mask: {memo[key]}"
+        window = int(memo[key])
     m.bind("q", q)
     m.bind("k", k if new_k_transpose else unrepeat_kv(k))
     m.bind("v0", unrepeat_kv(m["v"]))
     m.note("k_from_bshd", bool(new_k_transpose))
     m.note("scale", scale)
     m.note("causal", mask is not None)
+    m.note("window", window)
+    m.note("softcap", softcap)
     if slopes is not None and len(slopes) != q.shape[1]:
         return f"{len(slopes)} ALiBi slopes for {q.shape[1]} query heads"
     m.note("alibi", slopes)
@@ -376,9 +396,14 @@ def _rw_attention(m: Match, g: Graph) -> Pairs:
     k = m["k"]
     if m.fact("k_from_bshd"):
         k = unrepeat_kv(new_node(g, "Transpose", [k], "k_bhsd", perm=[0, 2, 1, 3]))
-    alibi = {} if m.fact("alibi") is None else {"alibi": m.fact("alibi")}
-    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", scale=float(m.fact("scale")),
-                   causal=int(m.fact("causal")), **alibi)
+    attrs: dict[str, Any] = {"scale": float(m.fact("scale")), "causal": int(m.fact("causal"))}
+    if m.fact("window"):
+        attrs["window"] = int(m.fact("window"))
+    if m.fact("softcap"):
+        attrs["softcap"] = float(m.fact("softcap"))
+    if m.fact("alibi") is not None:
+        attrs["alibi"] = m.fact("alibi")
+    out = new_node(g, "Attention", [m["q"], k, m["v0"]], "attention", **attrs)
     return [(m.node("pv").output, out)]
 
 
@@ -396,7 +421,8 @@ ATTENTION = Rule(
                     P.op("Reshape", P.var("p"), P.any(), out="p_3d", keep=True, then=_times_v("p_3d")),
                     why=_NOT_PV)),
     _check_attention, _rw_attention,
-    doc="softmax(q k^T * scale + causal mask) v, GQA repeats stripped -> Attention")
+    doc="softmax([c * tanh](q k^T * scale [/ c]) + causal [sliding-window] mask) v, GQA repeats stripped -> "
+        "Attention")
 
 
 # ---- head split / merge ------------------------------------------------------------------------

@@ -66,10 +66,12 @@ def _rope(node: Node) -> list[TensorType]:
 
 @_def("Attention", "transformer", 3, 6,
       "inputs: q[B, Hq, T, D], k[B, Hkv, S, D], v[B, Hkv, S, Dv], past_len?, k_cache?, v_cache?; "
-      "attrs: scale, causal, softcap, alibi. With a cache, k/v are the new tokens: they are written at "
-      "past_len and q attends over cache[:past_len+T]. alibi: per-query-head slopes [Hq] (ALiBi, "
-      "BLOOM / MPT): the scaled score of key position j gains alibi[h] * j (absolute positions, so "
-      "decode equals prefill; softmax ignores each row's constant).")
+      "attrs: scale, causal, softcap (scores become softcap * tanh(scores / softcap)), window "
+      "(causal sliding window: the query at position p attends over keys p-window+1..p; 0 or "
+      "absent: all earlier keys), alibi. With a cache, k/v are the new tokens: they are written at "
+      "past_len and q attends over cache[:past_len+T] (within the window). alibi: per-query-head "
+      "slopes [Hq] (ALiBi, BLOOM / MPT): the scaled score of key position j gains alibi[h] * j "
+      "(absolute positions, so decode equals prefill; softmax ignores each row's constant).")
 def _attention(node: Node) -> list[TensorType]:
     q = _need_rank(node.inputs[0], 4, node, "q [B, Hq, T, D]")
     k = _need_rank(node.inputs[1], 4, node, "k [B, Hkv, S, D]")

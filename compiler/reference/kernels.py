@@ -564,6 +564,9 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     if node.attrs.get("causal", 1):
         t, total = q.shape[2], k.shape[2]
         mask = torch.ones(t, total, dtype=torch.bool).tril(total - t)
+        window = int(node.attrs.get("window", 0) or 0)
+        if window > 0:  # query i (position total - t + i) keeps keys total - t + i - window < j
+            mask = mask.triu(total - t - window + 1)
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, -1)
     return [torch.matmul(p, v.float()).to(q.dtype)]

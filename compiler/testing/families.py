@@ -4,8 +4,10 @@ Families (:data:`FAMILIES`): the core ones every export route is tested on (:dat
 ``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``phi3``, ``gemma``, ``llama-chat``), the families whose
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
-``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the ALiBi families ``bloom`` and
-``mpt`` and Falcon (``falcon``: multi-query, ``falcon_new``: GQA with two LayerNorms). 2 layers, hidden 64, 4 heads
+``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the sliding-window
+``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), ``gemma2``, ``gemma3``
+(local and global layers, soft-capping), the ALiBi families ``bloom`` and ``mpt`` and Falcon
+(``falcon``: multi-query, ``falcon_new``: GQA with two LayerNorms). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
@@ -137,6 +139,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi": dict(model_type="phi", **_COMMON),
     # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
     # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
+    # sliding-window attention shorter than the context: each query attends over the last 4
+    # positions (itself included); Qwen2 windows only the layers from max_window_layers on (layer 1)
+    "mistral_win": dict(model_type="mistral", sliding_window=4, **_COMMON),
+    "qwen2_win": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1, **_COMMON),
+    "starcoder2_win": dict(model_type="starcoder2", sliding_window=4, **_COMMON),
+    # Gemma 2: local (window 4) and global layers alternating (layer_types: layer 0 sliding),
+    # attention-logit and final-logit soft-capping (c * tanh(x / c)), scores scaled by
+    # query_pre_attn_scalar^-0.5, sandwich (1 + w) RMSNorms around attention and MLP
+    "gemma2": dict(model_type="gemma2", sliding_window=4, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0, query_pre_attn_scalar=16, **_COMMON),
+    # Gemma 3: Gemma 2's layout without soft-capping, per-head q/k norms, a local rope theta on the
+    # sliding layer (layer_types spelled out: the default pattern windows every layer of two)
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"], **_COMMON),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),

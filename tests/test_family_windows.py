@@ -1,0 +1,149 @@
+"""Sliding-window attention: Mistral, Qwen2 (windowed only from `max_window_layers` on) and
+Starcoder2 with a window of 4 keys, shorter than the prompt plus the new tokens.
+
+Raising reads the window off the exported mask by probing it (passes/probe.py `mask_window`) and
+writes it on the Attention node (`window`); the KV cache stays full-length and each query attends
+over the last `window` positions of it (reference, Triton and C kernels alike). The oracle is
+Hugging Face's own greedy generation (its sliding-window cache and masks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the model zoo needs the 'hf' extra")
+
+from zlc.testing import zoo  # noqa: E402
+
+PROMPT = [3, 14, 15, 92, 65]
+NEW_TOKENS = 8
+# the window of each layer's Attention (0: none); Qwen2 windows layers i >= max_window_layers (1)
+WINDOWS = {"mistral_win": [4, 4], "qwen2_win": [0, 4], "starcoder2_win": [4, 4]}
+
+
+def _hf_greedy(family: str, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    import torch
+
+    model = zoo.hf_model(family)
+    model.generation_config.eos_token_id = None  # zlc run --prompt-ids does not stop at EOS (id 2)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
+def _windows(graph: object) -> list[int]:
+    return [int(n.attrs.get("window", 0)) for n in graph.nodes if n.op == "Attention"]  # type: ignore[attr-defined]
+
+
+def _compile_and_run(family: str, out: Path, prompt: list[int], max_seq: int, new_tokens: int,
+                     devices: tuple[str, ...] = ("interpret", "cpu")) -> dict[str, list[int]]:
+    from click.testing import CliRunner
+
+    from zlc.cli import cli
+
+    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", family, 20)), "-o", str(out),
+                                   "--max-seq", str(max_seq)])
+    assert res.exit_code == 0, res.output
+    got = {}
+    for device in devices:
+        res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
+                                       "--max-new-tokens", str(new_tokens), "--device", device, "--json"])
+        assert res.exit_code == 0, res.output
+        got[device] = json.loads(res.stdout)["generated"]
+    return got
+
+
+@pytest.mark.parametrize("family", list(WINDOWS))
+def test_verifies_with_the_window_on_each_layer(family: str) -> None:
+    import zlc
+    from zlc.verifier import verify
+
+    path = zoo.cached("stateless", family, 20)
+    rep = verify(path, steps=8, max_seq=64)
+    assert rep.ok and rep.compilable, (rep.summary(), rep.megakernel)
+    lowered = zlc.lower(path, options=zlc.CompileOptions(max_seq=64))
+    assert _windows(lowered.decode) == _windows(lowered.prefill) == WINDOWS[family]
+
+
+@pytest.mark.parametrize(("family", "softcap"), [("gemma2", 50.0), ("gemma3", None)])
+def test_gemma_raises_local_and_global_attention(family: str, softcap: float | None) -> None:
+    """Gemma 2's and 3's local layer (0, window 4) and global layer (1), scaled by
+    query_pre_attn_scalar^-0.5 = 1/4; Gemma 2's soft-capped at 50 (raising folds
+    c * tanh(q k^T / 4 / c) into Attention). The reference agrees with ONNX Runtime; the kernels
+    wait for the sandwich norms (and Gemma 2's final-logit soft-cap)."""
+    import zlc
+    from zlc.verifier import verify
+
+    path = zoo.cached("stateless", family, 20)
+    rep = verify(path, steps=8, max_seq=64)
+    assert rep.ok, rep.summary()
+    attn = [n for n in zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode.nodes if n.op == "Attention"]
+    assert [(n.attrs.get("window", 0), n.attrs.get("softcap"), n.attrs["scale"]) for n in attn] == \
+        [(4, softcap, pytest.approx(0.25)), (0, softcap, pytest.approx(0.25))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(WINDOWS))
+def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -> None:
+    """`zlc compile`, then the Triton kernel in the interpreter and the native C kernel: 5 prompt
+    tokens and 8 new ones, so every decode step's window has dropped the earliest keys."""
+    pytest.importorskip("triton")
+    want = _hf_greedy(family, PROMPT)
+    got = _compile_and_run(family, tmp_path / f"{family}.zlc", PROMPT, 64, NEW_TOKENS)
+    assert got == {"interpret": want, "cpu": want}
+
+
+@pytest.mark.slow
+def test_a_prompt_across_prefill_chunks(tmp_path: Path) -> None:
+    """134 prompt tokens: the interpreter's tiling prefills them in chunks of 64, the native one in
+    chunks of 128, so the first queries of each later chunk attend over keys of the one before."""
+    pytest.importorskip("triton")
+    prompt = [(7 * i + 3) % 256 for i in range(134)]
+    want = _hf_greedy("qwen2_win", prompt, 3)
+    got = _compile_and_run("qwen2_win", tmp_path / "qwen2_win.zlc", prompt, 160, 3)
+    assert got == {"interpret": want, "cpu": want}
+
+
+def test_the_torch_export_route_gives_hugging_faces_greedy_tokens() -> None:
+    import torch
+
+    import zlc
+    from zlc.reference.session import ReferenceSession
+    from zlc.verifier import megakernel_fit
+
+    lowered = zlc.lower(zoo.hf_model("mistral_win"), (torch.tensor([PROMPT]),),
+                        options=zlc.CompileOptions(max_seq=32))
+    assert _windows(lowered.decode) == WINDOWS["mistral_win"]
+    assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy("mistral_win", PROMPT)
+    assert megakernel_fit(lowered.decode, lowered.max_seq).compilable
+
+
+# ---- the semantics ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("past", "seq"), [(0, 4), (0, 5), (3, 1), (4, 1), (9, 1), (2, 6)])
+def test_the_reference_attends_over_exactly_the_window(past: int, seq: int) -> None:
+    """Values one-hot by key position: each output row is that query's attention weights, which
+    are non-zero exactly on keys p-3..p (W = 4) for the query at position p, and the window of a
+    query with fewer than 4 predecessors is all of them."""
+    import torch
+
+    from zlc.ir import DType, Graph, TensorType
+    from zlc.reference.kernels import KERNELS
+
+    W, total = 4, past + seq
+    g = Graph("window")
+    ins = [g.add_input(n, TensorType(DType.f32, s)) for n, s in
+           (("q", (1, 1, seq, 8)), ("k", (1, 1, total, 8)), ("v", (1, 1, total, total)))]
+    node = g.add_node("Attention", ins, {"causal": 1, "window": W}, name="attn")
+    q, k = torch.randn(1, 1, seq, 8), torch.randn(1, 1, total, 8)
+    v = torch.eye(total).reshape(1, 1, total, total)
+    (p,) = KERNELS["Attention"](node, [q, k, v])
+    for i in range(seq):
+        pos = past + i
+        kept = [j for j in range(total) if float(p[0, 0, i, j]) > 0.0]
+        assert kept == list(range(max(0, pos - W + 1), pos + 1)), (pos, kept)
+    assert torch.allclose(p.sum(-1), torch.ones(1, 1, seq))
