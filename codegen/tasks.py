@@ -7,7 +7,8 @@ Fusion happens here, on the transformer-level ops:
 - the residual Add after a projection (attention output, MLP down) is the projection's epilogue;
 - SplitHeads/MergeHeads are layouts, RoPE is applied where q is loaded (attention) and where k is
   written to the cache (cache-append), Positions are `past_len + row`;
-- GatedMLP is two ops (gate*up with the activation in the epilogue, then down + residual);
+- GatedMLP is two ops (gate*up with the activation in the epilogue, then down + residual); MoE is
+  the router Linear, then those two per expert, routed (op_MoE);
 - the LM head writes logits and a per-task (max, argmax) partial; one argmax task reduces them.
 
 Each IR value the kernel materializes gets a view (a buffer, a norm to fuse, split heads, ...);
@@ -131,6 +132,7 @@ class TaskBuilder:
         self.vocab = 0
         self.logits = ""
         self.n_layers = 0
+        self.route_buf: dict[int, str] = {}  # a MoE router's logits: A offset -> buffer
 
     # -- arenas
     @property
@@ -192,7 +194,8 @@ class TaskBuilder:
 
     def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
                   w2: Value | None = None, bias: Value | None = None, act: str = "none",
-                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False) -> Buf:
+                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False,
+                  expert: int | None = None, route: dict[int, int] | None = None) -> Buf:
         if isinstance(x, Norm):
             src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
         elif isinstance(x, (Buf, AttnOut)):
@@ -200,9 +203,12 @@ class TaskBuilder:
         else:
             raise ScheduleError(f"node '{node.name}' ({node.op}): input is a {type(x).__name__} view")
         wv = self._const(w, node)
-        if wv.shape is None or len(wv.shape) != 2 or int(wv.shape[0]) != n or int(wv.shape[1]) != src.cols:  # type: ignore[arg-type]
+        # expert e of a MoE: w (and w2) are stacked [E, n, K]; the matrix is w[e], at its offset
+        shape = None if wv.shape is None else tuple(wv.shape[1:] if expert is not None else wv.shape)
+        if shape is None or len(shape) != 2 or int(shape[0]) != n or int(shape[1]) != src.cols:  # type: ignore[arg-type]
             raise ScheduleError(f"node '{node.name}' ({node.op}): weight {wv.type} does not match "
                                 f"[{n}, {src.cols}]")
+        at = 0 if expert is None else expert * n * src.cols
         if act not in ACTIVATIONS:
             raise ScheduleError(f"node '{node.name}' ({node.op}): activation '{act}' has no kernel")
         if out is None:
@@ -213,11 +219,12 @@ class TaskBuilder:
         ranges = [(b * t.block_n, min(n, (b + per) * t.block_n)) for b in range(0, nblocks, per)]
         partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
         d = self.desc(label, {
-            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node),
-            5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
+            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node) + at,
+            5: self.w(w2, node) + at if w2 is not None else -1, 6: self.p(bias, node),
             7: self.buffers[residual.name].offset if residual else -1,
             8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
-            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps})
+            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1, **(route or {})}, {0: eps})
+        routed = [Region(self.route_buf[route[16]], 0, route[17])] if route else []
         # Decode after split-KV attention with fuse_combine: the row is merged from the attention
         # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
         # size), so no combine op stands between attention and this projection.
@@ -240,6 +247,7 @@ class TaskBuilder:
                     reads = [Region(x.partials.name, 0, x.partials.cols)]
                 else:
                     reads = [Region(src.name, 0, src.cols)]
+                reads += routed
                 if residual is not None:
                     reads.append(Region(residual.name, lo, hi))
                 writes = [Region(out.name, lo, hi)]
@@ -352,9 +360,9 @@ class TaskBuilder:
     def _norm(self, n: Node, kind: int, w: Value | None, b: Value | None) -> None:
         src = self.buf(n.inputs[0], n)
         for u in self.users.get(n.output, []):
-            if u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") or u.inputs[0] is not n.output:
+            if u.op not in ("Linear", "LMHead", "GatedMLP", "MLP", "MoE") or u.inputs[0] is not n.output:
                 raise ScheduleError(f"node '{n.name}' ({n.op}) feeds '{u.name}' ({u.op}); norms fuse "
-                                    "only into Linear/GatedMLP/MLP/LMHead inputs")
+                                    "only into Linear/GatedMLP/MLP/MoE/LMHead inputs")
         self.views[id(n.output)] = Norm(src, kind, self.p(w, n), self.p(b, n),
                                         float(n.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6)))
 
@@ -386,6 +394,37 @@ class TaskBuilder:
         res, defines = self.residual_target(n.output)
         self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
                                                  residual=res)
+
+    def op_MoE(self, n: Node) -> None:
+        """The router as a Linear into logits [T, E], then per expert e a gate/up Linear and a down
+        Linear whose descriptors carry the routing (fields 16-21: logits offset, E, top_k, e,
+        normalize, mode 1 gate / 2 down). Each task computes softmax and top-k of its row's logits;
+        in a one-row step an expert that row does not select returns before it reads a weight (its
+        down task passes the residual through), so decode reads the k selected experts' weights
+        only. Several rows (prefill) run every expert on every row, and the down projection scales
+        each row by its routing weight (0 where not selected). The downs chain through their
+        residual inputs: out_e = out_{e-1} + w_e * down_e(h_e), out_{-1} the residual."""
+        x = self.view(n.inputs[0], n)
+        wr, wg, wu, wd = (self._const(v, n) for v in n.inputs[1:5])
+        e_n, f, h = (int(d) for d in wg.shape)  # type: ignore[union-attr]
+        if e_n > 256:
+            raise ScheduleError(f"node '{n.name}' (MoE): {e_n} experts; the kernel's router takes at most 256")
+        if f * h % 64:
+            raise ScheduleError(f"node '{n.name}' (MoE): an expert's [{f}, {h}] matrices are not a multiple "
+                                "of 64 elements (the kernel's weight alignment)")
+        logits = self.linear_op(n, f"{n.name}.router", x, wr, e_n)
+        off = self.buffers[logits.name].offset
+        self.route_buf[off] = logits.name
+        route = {16: off, 17: e_n, 18: int(n.attrs["top_k"]), 20: int(n.attrs.get("normalize", 1))}
+        act = str(n.attrs.get("activation", "silu"))
+        res, defines = self.residual_target(n.output)
+        for e in range(e_n):
+            he = self.linear_op(n, f"{n.name}.e{e}.gate_up", x, wg, f, w2=wu, act=act, expert=e,
+                                route={**route, 19: e, 21: 1})
+            res = self.linear_op(n, f"{n.name}.e{e}.down", he, wd, h, residual=res, expert=e,
+                                 route={**route, 19: e, 21: 2})
+        assert res is not None
+        self.views[id(defines)] = res
 
     def op_MLP(self, n: Node) -> None:
         x = self.view(n.inputs[0], n)

@@ -57,7 +57,7 @@ class Build:
     tmp: Path  # the bundle being written (`out` + ".partial"); renamed to `out` by the manifest stage
     tokenizer: str | Path | None = None
     verify: bool = True
-    atol: float = 1e-3
+    atol: float | None = None  # None: the default of the model's dtype (verifier.DEFAULT_ATOL)
     debug_waits: bool = False
     progress: Progress | None = None
     lowered: Lowered | None = None
@@ -371,7 +371,7 @@ COMPILE_STAGE_NAMES = tuple(s.name for s in COMPILE_STAGES)
 
 def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | None = None,
             dtype: str = "auto", max_seq: int = 2048, tokenizer: str | Path | None = None,
-            example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float = 1e-3,
+            example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
             debug_waits: bool = False, stop_after: str | None = None) -> CompileResult:
     """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
@@ -441,7 +441,7 @@ def _prepare_out(outdir: Path, force: bool) -> None:
                            "choose another -o (or --force to replace it)")
 
 
-def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float,
+def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float | None,
                      steps: int = 4) -> dict[str, Any]:
     """The lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
     else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
@@ -450,9 +450,16 @@ def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: fl
         from .verifier import verify
 
         rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
-        return {"status": "passed" if rep.ok else "failed", "ok": rep.ok, "reference": "onnxruntime",
-                "max_abs": rep.max_abs, "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
+        return {"status": "passed" if rep.ok else "failed", "ok": rep.ok,
+                "reference": "onnxruntime" if rep.oracle == "ONNX Runtime" else "zlc reference in f32",
+                "oracle": rep.oracle, "atol": rep.atol, "max_abs": rep.max_abs,
+                "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
     import torch
+
+    from .verifier import default_atol
+
+    if atol is None:
+        atol = default_atol(lowered.graph.outputs[0].dtype.value)
 
     from zlc.reference.session import ReferenceSession
 

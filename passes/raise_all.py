@@ -30,6 +30,7 @@ from .raise_layers import (
     LM_HEAD,
     MLP,
     RMSNORM,
+    RMSNORM_CASTS,
     SLICE_LINEAR,
     SPLIT_LINEAR,
 )
@@ -43,7 +44,7 @@ from .rewrite import RewriteStats, RuleSet
 # Order matters: Linear before MLPs (they match Linear nodes); LM head last among layers so that
 # an MLP's down projection is never mistaken for the head.
 RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for name, rules in (
-    ("raise-norms", [RMSNORM]),
+    ("raise-norms", [RMSNORM, RMSNORM_CASTS]),
     ("raise-embedding", [EMBEDDING]),
     ("raise-linear", [LINEAR, LINEAR_RESHAPE]),
     ("raise-rope", [ROPE, ROPE_PAIRS, ROPE_TABLES, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST,

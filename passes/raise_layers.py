@@ -235,6 +235,28 @@ RMSNORM = Rule(
     doc="x * 1/sqrt(mean(x^2) + eps) * w (and x / sqrt(...), casts) -> RMSNorm")
 
 
+def _check_rmsnorm_casts(m: Match) -> str | None:
+    x, up = m["x"], m.node("up")
+    if up.attrs.get("to") != "f32" or not x.dtype.is_float or x.dtype.value == "f32":
+        return "not a half input upcast to f32"
+    if m.root.attrs.get("to") != x.dtype.value:
+        return "not cast back to the input's dtype"
+    return None
+
+
+RMSNORM_CASTS = Rule(
+    "rmsnorm_casts",
+    P.op("Cast", P.op("RMSNorm", P.op("Cast", P.var("x"), name="up", why="input is not a Cast"), P.var("w"),
+                      name="norm", single_use=True, why="not a cast of an RMSNorm"),
+         why="not a cast of an RMSNorm"),
+    _check_rmsnorm_casts,
+    lambda m, g: [(m.root.output, new_node(g, "RMSNorm", [m["x"], m["w"]], "rmsnorm",
+                                           eps=m.node("norm").attrs.get("eps", 1e-6)))],
+    why="not a cast of an RMSNorm",
+    doc="Cast(RMSNorm(Cast(x, f32), w), x.dtype) -> RMSNorm(x, w): a half model's norm computed in "
+        "f32 with its weight applied before the cast back (Gemma's (1 + w)); RMSNorm computes in f32")
+
+
 # ---- MLPs ---------------------------------------------------------------------------------------
 
 _BIAS = "down projection has a bias"

@@ -168,7 +168,7 @@ def test_verify_api(tiny_onnx: Path) -> None:
     rep = zlc.verify(tiny_onnx, prompt_len=5, steps=6, seed=3)
     assert rep.ok and rep.tokens_equal and len(rep.prompt) == 5
     assert len(rep.tokens_ref) == 6 and len(rep.decode_max_abs) == 5
-    assert rep.summary().endswith("PASS (atol 0.001)")
+    assert rep.summary().endswith("PASS (atol 0.001; oracle: ONNX Runtime)")
 
 
 def test_verify_rejects_out_of_vocabulary_prompt(tiny_onnx: Path, tiny_lowered: Any) -> None:

@@ -41,7 +41,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what `zlc inspect --ir m.onnx | head` e
 # progress line, which must not import the driver (and torch); tests/test_cli.py checks that they
 # agree. Validation reads the driver's own lists (inspect.check_stage).
 STAGE_NAMES = ("import", "fold", "canonicalize", "cse", "dce", "raise", "cleanup", "kv-cache")
-RAISE_STAGE_NAMES = ("raise-norms", "raise-embedding", "raise-linear", "raise-rope", "raise-attention",
+RAISE_STAGE_NAMES = ("raise-norms", "raise-embedding", "raise-linear", "raise-rope", "raise-attention", "raise-moe",
                      "raise-mlp", "raise-fused-projections", "raise-heads", "raise-rows", "raise-lm-head",
                      "raise-blocks")
 COMPILE_STAGE_NAMES = ("lower", "verify", "schedule", "emit", "weights", "native", "aot", "tokenizer", "ebpf",

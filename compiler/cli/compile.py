@@ -63,13 +63,17 @@ class CompileProgress:
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,
               help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
 @click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
+@click.option("--atol", type=click.FloatRange(min=0), default=None,
+              help="Max abs logit error the check allows (default by the model's dtype: f32 1e-3, f16 2e-2, "
+                   "bf16 1e-2; `zlc verify --help` says why).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory that is not a bundle.")
 @click.option("--debug-waits", is_flag=True, help="Also ship each GPU kernel's debug build (a wait that never "
               "completes raises an error flag after 2 s instead of hanging the GPU; the first launch "
               "runs it under a host deadline) and its trace build (per-task SM and timestamps).")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
-                tokenizer: Path | None, skip_verify: bool, force: bool, debug_waits: bool, as_json: bool) -> None:
+                tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
+                as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
     tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
     from ..targets import get_target
@@ -80,7 +84,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
         from ..build import compile
 
         res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
-                      tokenizer=tokenizer, verify=not skip_verify, progress=p, force=force,
+                      tokenizer=tokenizer, verify=not skip_verify, atol=atol, progress=p, force=force,
                       debug_waits=debug_waits)
         p.done()
     assert res.path is not None  # the whole pipeline ran

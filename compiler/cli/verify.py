@@ -31,18 +31,19 @@ if TYPE_CHECKING:
 @click.option("--prompt-len", type=click.IntRange(min=1), default=8, show_default=True,
               help="Length of the random prompt (ignored with --prompt-ids).")
 @click.option("--prompt-ids", type=IdList(), default=None, help="The prompt as token ids: 1,2,3.")
-@click.option("--atol", type=click.FloatRange(min=0), default=1e-3, show_default=True,
-              help="Max abs logit error allowed.")
+@click.option("--atol", type=click.FloatRange(min=0), default=None,
+              help="Max abs logit error allowed (default by the model's dtype: f32 1e-3, f16 2e-2, bf16 1e-2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt.")
 @MAX_SEQ
 @click.option("--numerics-only", is_flag=True,
               help="Exit 0 when the numbers pass even if the model does not fit the megakernel.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | None, atol: float,
+def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | None, atol: float | None,
            seed: int, max_seq: int | None, numerics_only: bool, as_json: bool) -> None:
     """Compare zlc against ONNX Runtime: prefill a prompt, then STEPS decode steps with zlc's KV
     cache; report logit errors, greedy-token agreement, and whether the lowered model fits the
-    megakernel. Exits 0 on pass, 3 beyond tolerance, 4 when it passes but does not compile
+    megakernel. bf16 models (which ONNX Runtime has no kernels for) are compared with the imported
+    graph run in f32 on the same weights by zlc's reference executor. Exits 0 on pass, 3 beyond tolerance, 4 when it passes but does not compile
     (0 with --numerics-only)."""
     with progress(f"verify {model.name}", then="comparing with ONNX Runtime") as p:
         from ..verifier import verify as run_verify
@@ -73,7 +74,7 @@ def _mark(ok: bool) -> str:
 
 def _print_report(rep: VerifyReport) -> None:
     out = out_console()
-    t = Table(title=f"zlc verify {escape(rep.model)} vs ONNX Runtime "
+    t = Table(title=f"zlc verify {escape(rep.model)} ({rep.dtype}) vs {escape(rep.oracle)} "
                     f"(prompt {len(rep.prompt)} tokens, {len(rep.tokens_ref)} greedy steps, atol {rep.atol:g})",
               title_justify="left")
     t.add_column("check")
@@ -91,6 +92,7 @@ def _print_report(rep: VerifyReport) -> None:
     t.add_row("fits the megakernel", "", "", _mark(rep.compilable))
     out.print(t)
     out.print(histogram_table(rep.histogram_before, rep.histogram_after))
+    out.print(f"oracle: {escape(rep.oracle)}")
     out.print("[bold green]PASS[/]" if rep.ok else "[bold red]FAIL[/]")
     out.print("compilable: yes" if rep.compilable else "compilable: no")
     for line in rep.megakernel:

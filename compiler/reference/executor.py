@@ -9,7 +9,7 @@ by the ops that write them (Attention with a cache), so a decode step sees what 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,3 +70,44 @@ class ReferenceExecutor:
 def run_graph(graph: Graph, inputs: Mapping[str, Any], **state_dims: int) -> dict[str, torch.Tensor]:
     """One-shot convenience: run a graph with fresh state."""
     return ReferenceExecutor(graph, state_dims).run(inputs)
+
+
+
+HALF = ("f16", "bf16")
+
+
+def in_f32(graph: Graph, *, rounding: Iterable[str] = ()) -> Graph:
+    """A copy of `graph` that computes in f32 on the same weights: every f16/bf16 value (inputs,
+    constants, state, node outputs) becomes f32, half constants are widened exactly, and casts or
+    dtype attributes naming a half type name f32. A half model run this way is what the megakernel
+    computes (f32 math on half-rounded weights), and the oracle where ONNX Runtime has no kernels.
+    The Casts named in `rounding` still round to half (then widen back): tables the model rounds
+    before it uses them, such as rotary cos/sin, which a lowered graph holds as half constants."""
+    from zlc.ir import DType, Node, TensorType, Value
+
+    g = graph.clone()
+    keep = set(rounding)
+    held: set[int] = set()
+    for n in list(g.nodes):
+        if n.name in keep and n.op == "Cast" and n.attrs.get("to") in HALF:
+            wide = Value(g.fresh_name(n.output.name + "_f32"), TensorType(DType.f32, n.output.type.shape), "node")
+            g.replace_uses(n.output, wide)
+            back = Node("Cast", [n.output], [wide], {"to": "f32"}, g.fresh_node_name(n.name + "_f32"))
+            wide.producer = back
+            g.nodes.insert(g.nodes.index(n) + 1, back)
+            held.add(id(n))
+    for n in g.nodes:
+        if id(n) in held:
+            continue
+        for o in n.outputs:
+            if o.dtype.value in HALF:
+                o.type = TensorType(DType.f32, o.type.shape)
+        for k in ("to", "dtype"):
+            if n.attrs.get(k) in HALF:
+                n.attrs[k] = "f32"
+    for v in [*g.inputs, *g.consts.values(), *g.state]:
+        if v.dtype.value in HALF:
+            v.type = TensorType(DType.f32, v.type.shape)
+            if v.data is not None:
+                v.data = torch.as_tensor(v.const_array()).float()
+    return g
