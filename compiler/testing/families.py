@@ -119,6 +119,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # CodeGen with 2 heads per mp_num group (8 heads of 8 dims in 4 groups; rotary on the first 4)
+    "codegen_8h": dict(
+        model_type="codegen",
+        n_embd=64,
+        n_head=8,
+        n_layer=2,
+        n_inner=128,
+        n_positions=256,
+        n_ctx=256,
+        rotary_dim=4,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # parallel attention + MLP, LayerNorm without bias, interleaved rotary, logit scale 0.0625
     "cohere": dict(model_type="cohere", **_COMMON),
     # Llama with scalar multipliers on the embeddings, each residual branch, the attention scores
