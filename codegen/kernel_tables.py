@@ -36,6 +36,7 @@ from zlc.bundle import (
     OP_EMBED,
     OP_LINEAR,
     OP_NAMES,
+    OP_ROW_NORM,
     TASK_WORDS,
 )
 
@@ -140,11 +141,17 @@ class Tables:
                     half = int(d[10])
                     for tab in (int(d[8]), int(d[9])):
                         p_ranges.append((tab + past * half, tab + (past + rows_t) * half))
+                for f, bit in ((21, 0), (22, 1)) if r["op"] == OP_ATTENTION else ((21, 0),):
+                    if int(d[f]) >= 0:  # q/k norm gains: one head's, or the whole row's (bit of field 23)
+                        whole = (int(d[23]) >> bit) & 1
+                        p_ranges.append((int(d[f]), int(d[f]) + (int(d[1 if f == 21 else 17]) if whole else int(d[6]))))
                 if r["op"] == OP_ATTENTION and past > 0:
                     dim, group, split_len = int(d[6]), max(1, int(d[13])), int(d[15])
                     lo = r["c"] * split_len if split_len > 0 else 0
                     hi = min(past, lo + split_len) if split_len > 0 else past
                     k = max(0, hi - lo) * dim * kv_item * 2 // group
+            elif r["op"] == OP_ROW_NORM:  # the norm's gains (and bias)
+                p_ranges += [(int(d[f]), int(d[f]) + int(d[2])) for f in (4, 5) if int(d[f]) >= 0]
             weights.append(w)
             kv.append(k)
         p_elems = _union_length(p_ranges)

@@ -7,13 +7,21 @@ Fusion happens here, on the transformer-level ops:
 - the residual Add after a projection (attention output, MLP down) is the projection's epilogue;
 - SplitHeads/MergeHeads are layouts, RoPE is applied where q is loaded (attention) and where k is
   written to the cache (cache-append), Positions are `past_len + row`;
-- GatedMLP is two ops (gate*up with the activation in the epilogue, then down + residual);
-- the LM head writes logits and a per-task (max, argmax) partial; one argmax task reduces them.
+- GatedMLP is two ops (gate*up with the activation in the epilogue, then down + residual); MoE is
+  the router Linear, then those two per expert, routed (op_MoE);
+- the LM head writes logits and a per-task (max, argmax) partial; one argmax task reduces them;
+- q/k RMSNorms (per head or over the whole projection) apply where q and k are loaded, before RoPE;
+  other norms no Linear fuses (post-norms, `x + norm(proj)`) are `row_norm` ops (`_row_norm`).
 
 Each IR value the kernel materializes gets a view (a buffer, a norm to fuse, split heads, ...);
 each op kind has an `op_<Kind>` method that emits its tasks with the regions they read and write,
 which is all the event derivation (schedule.py) looks at. Buffers, constants and descriptors are
 placed through `pack.Layout`.
+
+Why one module (over 600 lines): the lowering is one walk over the graph in which every op's method
+reads the views its producers left (a norm to fuse, heads with their RoPE and q/k norm, partials to
+merge) and decides what its consumers may fuse; split by op kind, that one table of views and the
+fusion decisions that read it would be spread over several modules.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from zlc.bundle import (
     OP_CACHE_APPEND,
     OP_EMBED,
     OP_LINEAR,
+    OP_ROW_NORM,
 )
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
@@ -82,11 +91,19 @@ class Rope:
 
 
 @dataclass
+class QKNorm:  # an RMSNorm of q or k, applied as the heads are loaded (before their RoPE)
+    w: int  # P offset of the gains: [D] shared by the heads, or [H*D] when `whole`
+    eps: float
+    whole: bool  # statistics over the whole projection row (OLMo 2), else over each head (Qwen3)
+
+
+@dataclass
 class Heads:  # [1, H, T, D] view of a [T, H*D] buffer
     buf: Buf
     heads: int
     dim: int
     rope: Rope | None = None
+    norm: QKNorm | None = None
 
 
 @dataclass
@@ -103,6 +120,12 @@ class Positions:
 
 
 View = Buf | Norm | Heads | AttnOut | Positions
+
+
+def _head_cols(x: Heads, h: int) -> Region:
+    """What loading head h reads of its projection: its columns, or the row for a whole-row norm."""
+    whole = x.norm is not None and x.norm.whole
+    return Region(x.buf.name, 0 if whole else h * x.dim, x.buf.cols if whole else (h + 1) * x.dim)
 
 
 @dataclass
@@ -131,6 +154,7 @@ class TaskBuilder:
         self.vocab = 0
         self.logits = ""
         self.n_layers = 0
+        self.route_buf: dict[int, str] = {}  # a MoE router's logits: A offset -> buffer
 
     # -- arenas
     @property
@@ -192,7 +216,8 @@ class TaskBuilder:
 
     def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
                   w2: Value | None = None, bias: Value | None = None, act: str = "none",
-                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False) -> Buf:
+                  residual: Buf | None = None, out: Buf | None = None, lm: bool = False,
+                  expert: int | None = None, route: dict[int, int] | None = None) -> Buf:
         if isinstance(x, Norm):
             src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
         elif isinstance(x, (Buf, AttnOut)):
@@ -200,9 +225,12 @@ class TaskBuilder:
         else:
             raise ScheduleError(f"node '{node.name}' ({node.op}): input is a {type(x).__name__} view")
         wv = self._const(w, node)
-        if wv.shape is None or len(wv.shape) != 2 or int(wv.shape[0]) != n or int(wv.shape[1]) != src.cols:  # type: ignore[arg-type]
+        # expert e of a MoE: w (and w2) are stacked [E, n, K]; the matrix is w[e], at its offset
+        shape = None if wv.shape is None else tuple(wv.shape[1:] if expert is not None else wv.shape)
+        if shape is None or len(shape) != 2 or int(shape[0]) != n or int(shape[1]) != src.cols:  # type: ignore[arg-type]
             raise ScheduleError(f"node '{node.name}' ({node.op}): weight {wv.type} does not match "
                                 f"[{n}, {src.cols}]")
+        at = 0 if expert is None else expert * n * src.cols
         if act not in ACTIVATIONS:
             raise ScheduleError(f"node '{node.name}' ({node.op}): activation '{act}' has no kernel")
         if out is None:
@@ -213,11 +241,12 @@ class TaskBuilder:
         ranges = [(b * t.block_n, min(n, (b + per) * t.block_n)) for b in range(0, nblocks, per)]
         partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
         d = self.desc(label, {
-            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node),
-            5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
+            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node) + at,
+            5: self.w(w2, node) + at if w2 is not None else -1, 6: self.p(bias, node),
             7: self.buffers[residual.name].offset if residual else -1,
             8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
-            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1}, {0: eps})
+            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1, **(route or {})}, {0: eps})
+        routed = [Region(self.route_buf[route[16]], 0, route[17])] if route else []
         # Decode after split-KV attention with fuse_combine: the row is merged from the attention
         # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
         # size), so no combine op stands between attention and this projection.
@@ -240,6 +269,7 @@ class TaskBuilder:
                     reads = [Region(x.partials.name, 0, x.partials.cols)]
                 else:
                     reads = [Region(src.name, 0, src.cols)]
+                reads += routed
                 if residual is not None:
                     reads.append(Region(residual.name, lo, hi))
                 writes = [Region(out.name, lo, hi)]
@@ -338,13 +368,58 @@ class TaskBuilder:
         self._norm(n, NORM_LAYER, n.inputs[1], n.input(2))
 
     def _norm(self, n: Node, kind: int, w: Value | None, b: Value | None) -> None:
+        eps = float(n.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6))
+        x = self.view(n.inputs[0], n)
+        if isinstance(x, Heads):  # per-head q/k norm (Qwen3, Gemma 3): applied as the heads are loaded
+            if kind != NORM_RMS or b is not None or x.rope is not None or x.norm is not None:
+                raise ScheduleError(f"node '{n.name}' ({n.op}): a norm of split heads fuses only as an "
+                                    "RMSNorm before RoPE")
+            self._gains(n, w, x.dim)
+            self.views[id(n.output)] = Heads(x.buf, x.heads, x.dim, norm=QKNorm(self.p(w, n), eps, False))
+            return
         src = self.buf(n.inputs[0], n)
-        for u in self.users.get(n.output, []):
-            if u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") or u.inputs[0] is not n.output:
-                raise ScheduleError(f"node '{n.name}' ({n.op}) feeds '{u.name}' ({u.op}); norms fuse "
-                                    "only into Linear/GatedMLP/MLP/LMHead inputs")
-        self.views[id(n.output)] = Norm(src, kind, self.p(w, n), self.p(b, n),
-                                        float(n.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6)))
+        users, fused = self.users.get(n.output, []), ("Linear", "LMHead", "GatedMLP", "MLP", "MoE")
+        qk = kind == NORM_RMS and b is None and all(u.op == "SplitHeads" for u in users)
+        if users and not any(o is n.output for o in self.g.outputs) and (
+                qk or all(u.op in fused and u.inputs[0] is n.output for u in users)):
+            # fused into the tiles that read it (statistics recomputed per tile), or q/k norms over
+            # the whole projection (OLMo 2), which SplitHeads turns into a QKNorm
+            if qk:
+                self._gains(n, w, src.cols)
+            self.views[id(n.output)] = Norm(src, kind, self.p(w, n), self.p(b, n), eps)
+            return
+        self._row_norm(n, src, kind, w, b, eps)
+
+    def _gains(self, n: Node, w: Value | None, size: int) -> None:
+        wv = self._const(w, n)
+        if int(wv.type.numel() or 0) != size:
+            raise ScheduleError(f"node '{n.name}' ({n.op}): weight {wv.type} is not {size} gains")
+
+    def _row_norm(self, n: Node, src: Buf, kind: int, w: Value | None, b: Value | None, eps: float) -> None:
+        """A norm no Linear tile fuses (the post-norms of OLMo 2 and Gemma 2/3, `x + norm(proj)`): its
+        statistics need whole rows, which a projection's column tiles lack, and the sum is the
+        residual stream later adds read, so it is materialized: one op of whole rows (row blocks in
+        prefill), the residual Add its epilogue. A level of its own; fused into its readers instead,
+        every reader's tiles would recompute it and the next residual add still has no row to read."""
+        self._gains(n, w, src.cols)
+        if b is not None:
+            self._gains(n, b, src.cols)
+        res, defines = self.residual_target(n.output)
+        out = self.buffer(n.name, src.cols)
+        d = self.desc(n.name, {0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: kind,
+                               4: self.p(w, n), 5: self.p(b, n), 6: self.buffers[res.name].offset if res else -1,
+                               7: res.cols if res else 0, 8: self.buffers[out.name].offset, 9: out.cols},
+                      {0: eps})
+        t = self.t
+
+        def tasks(rows: int, block: int) -> list[Task]:
+            return [Task(OP_ROW_NORM, d, lo, min(rows, lo + block),
+                         reads=[Region(b.name, 0, b.cols, lo, min(rows, lo + block)) for b in (src, res) if b],
+                         writes=[Region(out.name, 0, out.cols, lo, min(rows, lo + block))],
+                         label=f"{n.name}[r{lo}:{min(rows, lo + block)}]") for lo in range(0, rows, block)]
+
+        self.add_op(n.name, {"prefill": tasks(t.chunk, t.block_t), "decode": tasks(1, 1)})
+        self.views[id(defines)] = out
 
     def op_Linear(self, n: Node) -> None:
         x = self.view(n.inputs[0], n)
@@ -375,6 +450,37 @@ class TaskBuilder:
         self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
                                                  residual=res)
 
+    def op_MoE(self, n: Node) -> None:
+        """The router as a Linear into logits [T, E], then per expert e a gate/up Linear and a down
+        Linear whose descriptors carry the routing (fields 16-21: logits offset, E, top_k, e,
+        normalize, mode 1 gate / 2 down). Each task computes softmax and top-k of its row's logits;
+        in a one-row step an expert that row does not select returns before it reads a weight (its
+        down task passes the residual through), so decode reads the k selected experts' weights
+        only. Several rows (prefill) run every expert on every row, and the down projection scales
+        each row by its routing weight (0 where not selected). The downs chain through their
+        residual inputs: out_e = out_{e-1} + w_e * down_e(h_e), out_{-1} the residual."""
+        x = self.view(n.inputs[0], n)
+        wr, wg, wu, wd = (self._const(v, n) for v in n.inputs[1:5])
+        e_n, f, h = (int(d) for d in wg.shape)  # type: ignore[union-attr]
+        if e_n > 256:
+            raise ScheduleError(f"node '{n.name}' (MoE): {e_n} experts; the kernel's router takes at most 256")
+        if f * h % 64:
+            raise ScheduleError(f"node '{n.name}' (MoE): an expert's [{f}, {h}] matrices are not a multiple "
+                                "of 64 elements (the kernel's weight alignment)")
+        logits = self.linear_op(n, f"{n.name}.router", x, wr, e_n)
+        off = self.buffers[logits.name].offset
+        self.route_buf[off] = logits.name
+        route = {16: off, 17: e_n, 18: int(n.attrs["top_k"]), 20: int(n.attrs.get("normalize", 1))}
+        act = str(n.attrs.get("activation", "silu"))
+        res, defines = self.residual_target(n.output)
+        for e in range(e_n):
+            he = self.linear_op(n, f"{n.name}.e{e}.gate_up", x, wg, f, w2=wu, act=act, expert=e,
+                                route={**route, 19: e, 21: 1})
+            res = self.linear_op(n, f"{n.name}.e{e}.down", he, wd, h, residual=res, expert=e,
+                                 route={**route, 19: e, 21: 2})
+        assert res is not None
+        self.views[id(defines)] = res
+
     def op_MLP(self, n: Node) -> None:
         x = self.view(n.inputs[0], n)
         wu, wd = self._const(n.inputs[1], n), self._const(n.inputs[3], n)
@@ -385,11 +491,17 @@ class TaskBuilder:
                                                  bias=n.input(4), residual=res)
 
     def op_SplitHeads(self, n: Node) -> None:
-        src = self.buf(n.inputs[0], n)
+        x = self.view(n.inputs[0], n)
+        norm = None
+        if isinstance(x, Norm):  # q/k RMSNorm over the whole projection (OLMo 2), applied on load
+            src = x.src
+            norm = QKNorm(x.w, x.eps, True)
+        else:
+            src = self.buf(n.inputs[0], n)
         heads = int(n.attrs["heads"])
         if src.cols % heads:
             raise ScheduleError(f"node '{n.name}' (SplitHeads): {src.cols} columns into {heads} heads")
-        self.views[id(n.output)] = Heads(src, heads, src.cols // heads)
+        self.views[id(n.output)] = Heads(src, heads, src.cols // heads, norm=norm)
 
     def op_RoPE(self, n: Node) -> None:
         x = self.view(n.inputs[0], n)
@@ -407,7 +519,7 @@ class TaskBuilder:
             raise ScheduleError(f"node '{n.name}' (RoPE): rotary width {2 * half} > head size {x.dim}")
         kind = ROPE_INTERLEAVED if n.attrs.get("interleaved", 0) else ROPE_HALF
         self.views[id(n.output)] = Heads(x.buf, x.heads, x.dim,
-                                         Rope(kind, self.p(cos, n), self.p(sin, n), half, 2 * half, rows))
+                                         Rope(kind, self.p(cos, n), self.p(sin, n), half, 2 * half, rows), x.norm)
 
     def op_Attention(self, n: Node) -> None:
         q, k, v = (self.view(x, n) for x in n.inputs[:3])
@@ -417,7 +529,7 @@ class TaskBuilder:
             raise ScheduleError(f"node '{n.name}' (Attention): no KV cache; compile with the KV-cache stage")
         if not n.attrs.get("causal", 1):
             raise ScheduleError(f"node '{n.name}' (Attention): only causal attention is supported")
-        if v.rope is not None or q.dim != k.dim or k.dim != v.dim or k.heads != v.heads or q.heads % k.heads:
+        if v.rope is not None or v.norm is not None or q.dim != k.dim or k.dim != v.dim or k.heads != v.heads or q.heads % k.heads:
             raise ScheduleError(f"node '{n.name}' (Attention): unsupported head layout q{q.heads}x{q.dim} "
                                 f"k{k.heads}x{k.dim} v{v.heads}x{v.dim}")
         if (q.rope is None) != (k.rope is None):
@@ -430,6 +542,11 @@ class TaskBuilder:
         ck = self.buffer(f"cache.{layer}.key", D, rows=hkv * self.max_seq)
         cv = self.buffer(f"cache.{layer}.value", D, rows=hkv * self.max_seq)
         kr = k.rope or rope
+        qn, kn = q.norm, k.norm
+        if qn and kn and qn.eps != kn.eps:
+            raise ScheduleError(f"node '{n.name}' (Attention): q and k norms with different eps ({qn.eps}, "
+                                f"{kn.eps}); the kernel's descriptor holds one")
+        qk_eps = qn.eps if qn else kn.eps if kn else 0.0
         t = self.t
         fused = t.fuse_kv_append
         if fused and k.rope is not None and q.rope is not None and k.rope != q.rope:
@@ -440,9 +557,11 @@ class TaskBuilder:
         d_app = self.desc(f"{n.name}.cache_append", {
             0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
             3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
-            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D})
-        appends_op = [Task(OP_CACHE_APPEND, d_app, h, reads=[Region(k.buf.name, h * D, (h + 1) * D),
-                                                             Region(v.buf.name, h * D, (h + 1) * D)],
+            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D,
+            # k's q/k norm (21 gains or -1, 23 bit 0: over the whole projection row; eps in float 3)
+            21: kn.w if kn else -1, 23: int(bool(kn and kn.whole))}, {3: kn.eps if kn else 0.0})
+
+        appends_op = [Task(OP_CACHE_APPEND, d_app, h, reads=[_head_cols(k, h), Region(v.buf.name, h * D, (h + 1) * D)],
                            writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
                            label=f"{n.name}.cache_append[h{h}]") for h in range(hkv)]
         self.add_op(f"{n.name}.cache_append",
@@ -462,7 +581,7 @@ class TaskBuilder:
                 [one_desc(mode, partial, split_len, 0.0)] * hq
 
         def one_desc(mode: str, partial: int, split_len: int, slope: float) -> int:
-            floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0), 2: slope}
+            floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0), 2: slope, 3: qk_eps}
             return self.desc(f"{n.name}.attention.{mode}", {
                 0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
                 3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
@@ -473,16 +592,18 @@ class TaskBuilder:
                 16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
                 18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols,
                 # a causal sliding window (0: none): the query at p attends over keys p-window+1..p
-                20: window}, floats)
+                20: window,
+                # q/k norms applied on load (21 q's gains, 22 k's for the fused append, -1 none;
+                # 23 bit 0 / bit 1: q / k normed over the whole projection row; their eps in float 3)
+                21: qn.w if qn else -1, 22: kn.w if kn else -1,
+                23: int(bool(qn and qn.whole)) | 2 * int(bool(kn and kn.whole))}, floats)
 
         def reads(h: int, mode: str = "decode") -> list[Region]:
             g = h // (hq // hkv)
             if fused and mode == "decode":  # the cache's earlier rows (no writer in this launch), this step's k, v
-                return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
-                        Region(cv.name, g, g + 1), Region(k.buf.name, g * D, (g + 1) * D),
+                return [_head_cols(q, h), Region(ck.name, g, g + 1), Region(cv.name, g, g + 1), _head_cols(k, g),
                         Region(v.buf.name, g * D, (g + 1) * D)]
-            return [Region(q.buf.name, h * D, (h + 1) * D), Region(ck.name, g, g + 1),
-                    Region(cv.name, g, g + 1)]
+            return [_head_cols(q, h), Region(ck.name, g, g + 1), Region(cv.name, g, g + 1)]
 
         def appends(h: int, owner: bool) -> list[Region]:
             """The cache rows of this step, which the group's first head writes (nobody in this

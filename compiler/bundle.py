@@ -37,8 +37,8 @@ from typing import Any
 from .errors import ZlcError
 
 # ---- op kinds (the dispatch chain's numbering) ---------------------------------------------
-OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX = range(6)
-OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax")
+OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX, OP_ROW_NORM = range(7)
+OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax", "row_norm")
 
 # ---- table geometry --------------------------------------------------------------------------
 TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad

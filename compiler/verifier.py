@@ -314,8 +314,6 @@ _OTHER = "op-level computation that raising did not recognise"
 def _feature(ops: set[str], consumers: set[str], to_output: bool) -> str:
     if ops & {"Cos", "Sin", "GatherND", "Gather"} or {"Neg", "Concat"} <= ops:
         return _ROTARY
-    if "MoE" in ops:
-        return "mixture of experts (the raised MoE op: router, top-k, the selected experts' gated MLPs)"
     if "TopK" in ops:
         return "mixture-of-experts routing (Mixtral, Qwen3-MoE)"
     if "Tanh" in ops:

@@ -36,7 +36,7 @@ from .raise_layers import (
 )
 from .raise_moe import MOE
 from .raise_rope_forms import ROPE_PAIRS, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST, SWAP_PAIR
-from .raise_rows import CENTRED_RMSNORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from .raise_rows import CENTRED_RMSNORM, HEADS_NORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
 from .raising import RaiseStats, raising_rules
 from .rewrite import RewriteStats, RuleSet
 
@@ -53,7 +53,7 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
-    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS]),
+    ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS, HEADS_NORM]),
     ("raise-lm-head", [LM_HEAD]),
     ("raise-blocks", [HEADS_QKV, HEADS_GATHER, PARALLEL_RESIDUAL]),
 )]

@@ -9,6 +9,9 @@ the projection before them, and token rows the export flattened put back into [1
   the scale goes into the gain and bias of the norm before the head instead (exact: the head is
   linear); Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale.
 - `centred_rmsnorm`: `RMSNorm(x - mean(x), w)` becomes `LayerNorm(x, w)` without bias (Cohere).
+- `heads_norm`: `Transpose(RMSNorm(Reshape(x[B,T,H*D] -> [B,T,H,D]), w[D]), [0,2,1,3])` becomes
+  `RMSNorm(SplitHeads(x), w)`: Qwen3's per-head q/k norm, written before the heads' transpose (Gemma
+  3 writes it after, which is already that form); a norm over the last axis commutes with it.
 - `unflatten_rows`: `Reshape([1, T, H] -> [T, H])`, row-wise raised ops (norms, projections, MLPs,
   elementwise ops), `Reshape(-> [1, T, H])` becomes the same ops on [1, T, H] (OPT flattens the
   residual stream around its feed-forward block). Row-wise: each token's row of the output depends
@@ -199,6 +202,31 @@ def _rw_unflatten(m: Match, g: Graph) -> Pairs:
         for o, o2 in zip(n.outputs, made.outputs, strict=True):
             new[id(o)] = o2
     return [(r.output, new[id(r.inputs[0])]) for r in restores]
+
+
+def _check_heads_norm(m: Match) -> str | None:
+    xs, rs, w = m["x"].shape, m.node("r").output.shape, m["w"]
+    if xs is None or rs is None or len(xs) != 3 or len(rs) != 4 or tuple(rs[:2]) != tuple(xs[:2]) \
+            or not all(isinstance(d, int) for d in (rs[2], rs[3], xs[2])) or rs[2] * rs[3] != xs[2]:  # type: ignore[operator]
+        return "reshape does not split [B, T, H*D] into heads"
+    if w.shape is None or [int(d) for d in w.shape if d != 1] not in ([rs[3]], []):  # type: ignore[arg-type]
+        return "norm weight is not one gain per head feature"
+    return None
+
+
+def _rw_heads_norm(m: Match, g: Graph) -> Pairs:
+    heads = new_node(g, "SplitHeads", [m["x"]], "split_heads", heads=int(m.node("r").output.shape[2]))  # type: ignore[index, arg-type]
+    return [(m.root.output, new_node(g, "RMSNorm", [heads, m["w"]], "rmsnorm", **dict(m.node("norm").attrs)))]
+
+
+HEADS_NORM = Rule(
+    "heads_norm",
+    P.op("Transpose", P.op("RMSNorm", P.op("Reshape", P.var("x"), P.any(), name="r", single_use=True,
+                                           why="norm input is not a reshape"), P.var("w"), name="norm",
+                           single_use=True, why="input is not an RMSNorm"),
+         attrs={"perm": lambda p: list(p) == [0, 2, 1, 3]}, why="not a [0, 2, 1, 3] transpose"),
+    _check_heads_norm, _rw_heads_norm,
+    doc="[B,T,H*D] -> reshape [B,T,H,D] -> RMSNorm over D -> transpose -> RMSNorm(SplitHeads)")
 
 
 UNFLATTEN_ROWS = Rule(

@@ -30,7 +30,9 @@ def _embedding(node: Node) -> list[TensorType]:
     return [TensorType(w.dtype, None if ids.shape is None else tuple(ids.shape) + (ws[1],))]
 
 
-@_def("RMSNorm", "transformer", 2, 2, "inputs: x, weight; attrs: eps")
+@_def("RMSNorm", "transformer", 2, 2,
+      "inputs: x, weight; attrs: eps. Over the last axis; on split heads x[B, H, T, D] with weight[D] "
+      "it is a per-head q/k norm (Qwen3, Gemma 3), which the megakernel applies where q/k are loaded")
 def _rmsnorm(node: Node) -> list[TensorType]:
     return [type_of(node.inputs[0])]
 

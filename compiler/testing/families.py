@@ -6,7 +6,8 @@ positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
 ``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the sliding-window
 ``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), and ``gemma2``, ``gemma3``
-(local and global layers, soft-capping). 2 layers, hidden 64, 4 heads
+(local and global layers, soft-capping), and the q/k-norm and post-norm families ``qwen3``, ``olmo2``,
+``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
@@ -169,6 +170,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
+    # Qwen3: per-head q/k RMSNorm (over head_dim, after the heads' split, before RoPE); no biases
+    "qwen3": dict(model_type="qwen3", **_COMMON),
+    # OLMo 2: q/k RMSNorm over the whole projections (before the heads' split), no pre-norms, and
+    # post-norms on the attention and MLP outputs before each residual add
+    "olmo2": dict(model_type="olmo2", **_COMMON),
+    # Gemma 2's sandwich norms ((1 + w) RMSNorm before and after attention and MLP) with the window
+    # at the positions' length and no soft-capping (those are features of their own)
+    "gemma2_nowin": dict(model_type="gemma2", sliding_window=256, attn_logit_softcapping=None,
+                         final_logit_softcapping=None, query_pre_attn_scalar=16, **_COMMON),
+    # Gemma 3: the sandwich norms, per-head (1 + w) q/k norm, and a local rope theta on its sliding
+    # layer (10k) that differs from the full layer's (1M); the window at the positions' length
+    "gemma3_nowin": dict(model_type="gemma3_text", sliding_window=256, query_pre_attn_scalar=16,
+                         layer_types=["sliding_attention", "full_attention"], **_COMMON),
     # BLOOM: ALiBi (no rotary, no learned positions), LayerNorm on the embeddings
     # (word_embeddings_layernorm), one query_key_value projection laid out per head, GELU MLP, biases
     "bloom": dict(model_type="bloom", hidden_size=64, n_head=4, n_layer=2, vocab_size=256,
