@@ -7,7 +7,8 @@ positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``
 ``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the sliding-window
 ``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), and ``gemma2``, ``gemma3``
 (local and global layers, soft-capping), and the q/k-norm and post-norm families ``qwen3``, ``olmo2``,
-``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py). 2 layers, hidden 64, 4 heads
+``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py), and ``codegen_8h`` (CodeGen with 2 heads
+per mp_num group, 8 heads of 8 dims: tests/test_family_torch_rotary.py). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
