@@ -354,10 +354,22 @@ class TaskBuilder:
             raise ScheduleError(f"--max-seq {self.max_seq} exceeds the model's {int(pos[0].shape[0])} "  # type: ignore[index, arg-type]
                                 f"learned positions (node '{n.name}'); compile with --max-seq "
                                 f"{int(pos[0].shape[0])} or less")  # type: ignore[index, arg-type]
+        # A norm right on the embeddings whose output is more than a projection's input (BLOOM's
+        # word_embeddings_layernorm is also the first residual): the embed op applies it in place.
+        norm = {5: NORM_NONE}
+        eps = 0.0
+        user = self.sole_user(out_v)
+        if user is not None and user.op in ("LayerNorm", "RMSNorm") and any(
+                u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") for u in self.users.get(user.output, [])):
+            kind = NORM_LAYER if user.op == "LayerNorm" else NORM_RMS
+            norm = {5: kind, 6: self.p(user.inputs[1], user), 7: self.p(user.input(2), user)}
+            eps = float(user.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6))
+            self.skip.add(id(user))
+            out_v = user.output
         out = self.buffer("embed", hidden)
         d = self.desc("embed", {0: self.buffers[out.name].offset, 1: hidden, 2: hidden,
-                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1},
-                      {0: scale})
+                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1, **norm},
+                      {0: scale, 1: eps})
         self.add_op("embed", [Task(OP_EMBED, d, writes=[Region(out.name, 0, hidden)], label="embed")])
         self.views[id(out_v)] = out
 
