@@ -25,7 +25,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # How the loop calls each op body (the names are the kernel's locals).
 _CALLS = {
-    fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, A, d, T, past, BLOCK_T, BLOCK_E)",
+    fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, BLOCK_T, BLOCK_E)",
     fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
                    "                      BLOCK_T, DOT_PRECISION, KV_SPLITS, DEBUG, STEP)",
     fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, BLOCK_T, HEAD_P2)",

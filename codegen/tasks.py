@@ -217,7 +217,7 @@ class TaskBuilder:
     def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
                   w2: Value | None = None, bias: Value | None = None, act: str = "none",
                   residual: Buf | None = None, out: Buf | None = None, lm: bool = False,
-                  expert: int | None = None, route: dict[int, int] | None = None) -> Buf:
+                  softcap: float = 0.0, expert: int | None = None, route: dict[int, int] | None = None) -> Buf:
         if isinstance(x, Norm):
             src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
         elif isinstance(x, (Buf, AttnOut)):
@@ -245,7 +245,7 @@ class TaskBuilder:
             5: self.w(w2, node) + at if w2 is not None else -1, 6: self.p(bias, node),
             7: self.buffers[residual.name].offset if residual else -1,
             8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
-            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1, **(route or {})}, {0: eps})
+            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1, **(route or {})}, {0: eps, 1: softcap})
         routed = [Region(self.route_buf[route[16]], 0, route[17])] if route else []
         # Decode after split-KV attention with fuse_combine: the row is merged from the attention
         # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
@@ -259,7 +259,7 @@ class TaskBuilder:
                 7: self.buffers[residual.name].offset if residual else -1,
                 8: self.buffers[out.name].offset, 9: out.cols, 10: NORM_COMBINE, 11: x.splits, 12: x.head_dim,
                 13: ACTIVATIONS[act], 14: int(lm), 15: self.buffers[partials.name].offset if partials else -1},
-                {0: eps})
+                {0: eps, 1: softcap})
 
         def tasks_for(mode: str) -> list[Task]:
             out_tasks = []
@@ -354,10 +354,22 @@ class TaskBuilder:
             raise ScheduleError(f"--max-seq {self.max_seq} exceeds the model's {int(pos[0].shape[0])} "  # type: ignore[index, arg-type]
                                 f"learned positions (node '{n.name}'); compile with --max-seq "
                                 f"{int(pos[0].shape[0])} or less")  # type: ignore[index, arg-type]
+        # A norm right on the embeddings whose output is more than a projection's input (BLOOM's
+        # word_embeddings_layernorm is also the first residual): the embed op applies it in place.
+        norm = {5: NORM_NONE}
+        eps = 0.0
+        user = self.sole_user(out_v)
+        if user is not None and user.op in ("LayerNorm", "RMSNorm") and any(
+                u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") for u in self.users.get(user.output, [])):
+            kind = NORM_LAYER if user.op == "LayerNorm" else NORM_RMS
+            norm = {5: kind, 6: self.p(user.inputs[1], user), 7: self.p(user.input(2), user)}
+            eps = float(user.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6))
+            self.skip.add(id(user))
+            out_v = user.output
         out = self.buffer("embed", hidden)
         d = self.desc("embed", {0: self.buffers[out.name].offset, 1: hidden, 2: hidden,
-                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1},
-                      {0: scale})
+                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1, **norm},
+                      {0: scale, 1: eps})
         self.add_op("embed", [Task(OP_EMBED, d, writes=[Region(out.name, 0, hidden)], label="embed")])
         self.views[id(out_v)] = out
 
@@ -432,7 +444,11 @@ class TaskBuilder:
         x = self.view(n.inputs[0], n)
         wv = self._const(n.inputs[1], n)
         self.vocab = int(wv.shape[0])  # type: ignore[index, arg-type]
-        out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True)
+        cap = float(n.attrs.get("softcap", 0.0) or 0.0)
+        if cap < 0:
+            raise ScheduleError(f"node '{n.name}' (LMHead): negative softcap {cap}")
+        # softcap: the logits are cap * tanh(y / cap) (descriptor float 1), before the argmax partial
+        out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True, softcap=cap)
         self.logits = out.name
         self.views[id(n.output)] = out
         self.add_op("argmax", [Task(OP_ARGMAX, self.desc("argmax", {

@@ -75,13 +75,18 @@ def value_inputs(g: Graph, targets: Sequence[Value]) -> tuple[set[str], set[str]
     """Graph inputs the targets read by value, and those they read only through shapes.
 
     Walks backward from the targets: a value is needed by value unless every path to the targets
-    goes through a Shape/Size node (e.g. Concat(past) -> Shape reads only the past's length)."""
+    goes through a Shape/Size node (e.g. Concat(past) -> Shape reads only the past's length) or
+    the ids of a Positions node (a learned table raised to Embedding(W, Positions(ids)) first)."""
     by_value_ids: set[int] = {id(t) for t in targets}
     by_shape_ids: set[int] = set()
     for n in reversed(closure(g, targets)):
         if not any(id(o) in by_value_ids for o in n.outputs):
             if any(id(o) in by_shape_ids for o in n.outputs):
                 by_shape_ids.update(id(v) for v in n.inputs if v is not None)
+            continue
+        if n.op == "Positions":  # reads its ids' extent only (and a past length by value)
+            by_shape_ids.add(id(n.inputs[0]))
+            by_value_ids.update(id(v) for v in n.inputs[1:] if v is not None)
             continue
         dest = by_shape_ids if n.op in ("Shape", "Size") else by_value_ids
         dest.update(id(v) for v in n.inputs if v is not None)

@@ -28,6 +28,7 @@ from .raise_layers import (
     LINEAR,
     LINEAR_RESHAPE,
     LM_HEAD,
+    LM_HEAD_SOFTCAP,
     MLP,
     RMSNORM,
     RMSNORM_CASTS,
@@ -37,6 +38,7 @@ from .raise_layers import (
 from .raise_moe import MOE
 from .raise_rope_forms import ROPE_PAIRS, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST, SWAP_PAIR
 from .raise_rows import CENTRED_RMSNORM, HEADS_NORM, LINEAR_DIVIDE, LINEAR_SCALE, UNFLATTEN_ROWS
+from .raise_scores import SQUEEZE_ROUNDTRIP, UNBATCH_MATMUL
 from .raising import RaiseStats, raising_rules
 from .rewrite import RewriteStats, RuleSet
 
@@ -48,13 +50,13 @@ RAISING: list[tuple[str, RuleSet]] = [(name, raising_rules(name, rules)) for nam
     ("raise-linear", [LINEAR, LINEAR_RESHAPE]),
     ("raise-rope", [ROPE, ROPE_PAIRS, ROPE_TABLES, ROPE_PARTIAL, ROPE_PARTIAL_TOKENS_FIRST,
                     SWAP_PAIR, ROPE_OF_REPEAT]),
-    ("raise-attention", [ATTENTION, ATTENTION_GQA, STATIC_SELECT]),
+    ("raise-attention", [UNBATCH_MATMUL, ATTENTION, ATTENTION_GQA, STATIC_SELECT, SQUEEZE_ROUNDTRIP]),
     ("raise-moe", [MOE]),
     ("raise-mlp", [GATED_MLP, GATED_MLP_FUSED, MLP]),
     ("raise-fused-projections", [SPLIT_LINEAR, SLICE_LINEAR]),
     ("raise-heads", [SPLIT_HEADS, MERGE_HEADS, HEADS_ROUNDTRIP]),
     ("raise-rows", [LINEAR_SCALE, LINEAR_DIVIDE, CENTRED_RMSNORM, UNFLATTEN_ROWS, HEADS_NORM]),
-    ("raise-lm-head", [LM_HEAD]),
+    ("raise-lm-head", [LM_HEAD_SOFTCAP, LM_HEAD]),
     ("raise-blocks", [HEADS_QKV, HEADS_GATHER, PARALLEL_RESIDUAL]),
 )]
 

@@ -16,6 +16,7 @@ from zlc.ir import Graph, Node, Value
 from . import probe
 from .match import prod, slice_bounds, strip
 from .pattern import OpPattern, scalar
+from .raise_scores import alibi_slopes, unbatch
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
@@ -237,6 +238,29 @@ def _peel_scale(v: Value) -> tuple[Value, float]:
             return v, f
 
 
+def _peel(v: Value) -> tuple[Value, float]:
+    """_peel_scale and _unbatch, alternately, until neither strips anything."""
+    f = 1.0
+    while True:
+        v, g = _peel_scale(v)
+        f *= g
+        u = unbatch(v)
+        if u is v:
+            return v, f
+        v = u
+
+
+def _is_scores(v: Value) -> bool:
+    """q k^T (scaled), or q k^T plus a bias: the scores side of `scores + mask`."""
+    core = _uncapped(_peel(v)[0])
+    if core.data is not None:
+        return False
+    if prod(core, "MatMul") is not None:
+        return True
+    add = prod(core, "Add")
+    return add is not None and any(x is not None and prod(_peel(x)[0], "MatMul") is not None for x in add.inputs)
+
+
 def unrepeat_kv(v: Value) -> Value:
     """k0 when v = Reshape(Expand(Unsqueeze(k0, [2]), [B, Hkv, n, S, D]), [B, Hkv*n, S, D])."""
     r = prod(v, "Reshape")
@@ -264,43 +288,6 @@ def _softmax_last_axis(m: Match) -> str | None:
     return None
 
 
-def _alibi_slopes(g: Graph, bias: Value, scale: float) -> list[float] | str:
-    """Per-head slopes when `bias` (times `scale`) is ALiBi: on every probe, within each head and
-    query row, slope_h * key position plus a constant (softmax ignores the constant: BLOOM's
-    slope * k and MPT's slope * (k - T + 1) are the same); or why not."""
-    key = ("alibi", id(bias), scale)
-    memo = _cache(g)
-    if key in memo:
-        return memo[key]  # type: ignore[no-any-return]
-    why = probe.is_position_only(g, [bias])
-    slopes: torch.Tensor | None = None
-    for pr in (probe.Probe(0, 5), probe.Probe(0, 12)):
-        if why:
-            break
-        got = probe.try_evaluate(g, [bias], pr)
-        if isinstance(got, str):
-            why = got
-            break
-        b = got[0].double() * scale
-        if b.dim() < 3 or b.shape[-1] != pr.seq or b.shape[-2] not in (1, pr.seq):
-            why = f"bias shape {tuple(b.shape)} does not fit {pr.seq} queries x {pr.seq} keys"
-            break
-        b = b.reshape(-1, b.shape[-2], b.shape[-1]).expand(-1, pr.seq, pr.seq)
-        rel = b - b[:, :, :1]  # each row from its first key; only keys a causal query sees count
-        sl = rel[:, -1, 1]
-        want = (sl[:, None, None] * torch.arange(pr.seq, dtype=b.dtype)[None, None, :]).expand_as(rel)
-        keep = torch.ones(pr.seq, pr.seq, dtype=torch.bool).tril()
-        if not torch.allclose(rel[:, keep], want[:, keep], atol=1e-5, rtol=1e-5):
-            why = "not a linear bias in the key position per head (ALiBi)"
-            break
-        if slopes is not None and not torch.allclose(sl, slopes, atol=1e-6):
-            why = "ALiBi slopes differ between probes"
-            break
-        slopes = sl
-    memo[key] = why if why or slopes is None else [float(x) for x in slopes.float()]
-    return memo[key]  # type: ignore[no-any-return]
-
-
 def _check_attention(m: Match) -> str | None:
     """The scores: [scale *] q k^T [* scale] [+ mask | masked by Where], read upward through casts
     and any number of scalar factors (which the pattern language cannot repeat)."""
@@ -313,9 +300,9 @@ def _check_attention(m: Match) -> str | None:
         lcore, rcore = _uncapped(_peel_scale(lhs)[0]), _uncapped(_peel_scale(rhs)[0])
         a0, a1 = sp.inputs[0], sp.inputs[1]
         assert a0 is not None and a1 is not None
-        if prod(lcore, "MatMul") is not None and lcore.data is None:
+        if _is_scores(lhs):
             s, mask = a0, a1
-        elif prod(rcore, "MatMul") is not None:
+        elif _is_scores(rhs):
             s, mask = a1, a0
         else:
             for c in (lcore, rcore):
@@ -323,7 +310,7 @@ def _check_attention(m: Match) -> str | None:
                 x = r.inputs[0] if r is not None else None
                 if x is not None and x.type.rank == 3 and prod(strip(x), "Add") is not None:
                     return (f"attention bias at '{strip(x).producer.name}': scores batched as [B*H, T, S] "  # type: ignore[union-attr]
-                            "plus a bias (BLOOM's baddbmm ALiBi form) are not supported")
+                            "plus a bias, not liftable to [B, H, T, S] (unbatch_matmul), are not supported")
             return "softmax input is not scores + mask"
     elif sp is not None and sp.op == "Where":
         fill = scalar(sp.inputs[2]) if scalar(sp.inputs[2]) is not None else scalar(sp.inputs[1])
@@ -337,14 +324,14 @@ def _check_attention(m: Match) -> str | None:
             return "Where-masked scores without a scores branch"
     if m.get("p_3d") is not None:  # softmax -> Reshape [B*H, T, S] -> bmm: only said why, not raised
         return "attention probabilities reshaped to [B*H, T, S] before the PV product are not supported"
-    core, scale = _peel_scale(s)
+    core, scale = _peel(s)
     softcap = 0.0
     tanh = core.producer
     if tanh is not None and tanh.op == "Tanh" and tanh.inputs[0] is not None:
         # soft-capping (Gemma 2): c * tanh(a * q k^T) is Attention(scale=a * c, softcap=c)
         if scale <= 0:
             return "soft-capped scores with a non-positive cap"
-        core, inner = _peel_scale(tanh.inputs[0])
+        core, inner = _peel(tanh.inputs[0])
         softcap, scale = scale, inner * scale
     slopes: list[float] | None = None
     bp = strip(core).producer
@@ -352,15 +339,15 @@ def _check_attention(m: Match) -> str | None:
         if softcap:
             return "soft-capped scores plus an additive bias are not supported"
         sides = [x for x in bp.inputs if x is not None]
-        qk_side = [x for x in sides if prod(_peel_scale(x)[0], "MatMul") is not None and x.data is None]
+        qk_side = [x for x in sides if prod(_peel(x)[0], "MatMul") is not None and x.data is None]
         if len(sides) != 2 or not qk_side:
             return "softmax input is not scores + bias"
         bias = sides[1] if sides[0] is qk_side[0] else sides[0]
-        got = _alibi_slopes(g, bias, scale)
+        got = alibi_slopes(g, bias, scale, _cache(g))
         if isinstance(got, str):
             return f"attention bias at '{bp.name}': {got}"
         slopes = got
-        core, s2 = _peel_scale(qk_side[0])
+        core, s2 = _peel(qk_side[0])
         scale *= s2
     qk = prod(core, "MatMul")
     if qk is None:

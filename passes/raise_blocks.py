@@ -65,7 +65,27 @@ def _check_heads_qkv(m: Match) -> str | None:
     if h is None or n % h or sum(sizes) != n // h:
         return _NOT_PER_HEAD
     m.note("layout", (h, n // h, sizes))
+    if heads.op == "Reshape":
+        m.note("regroup", [_regroup(m, v, h, size) for v, size in zip(split.outputs, sizes, strict=True)])
     return None
+
+
+def _regroup(m: Match, v: Value, groups: int, size: int) -> Node | None:
+    """The sole user of a group's part [B, T, G, size] when it is a Reshape to [B, T, G * k, size / k]
+    (CodeGen with more heads than mp_num groups: each group's part is k consecutive heads); covered
+    by the match, so that the part's Linear is reshaped to the heads at once."""
+    user = m.sole_user(v, "Reshape")
+    if user is None:
+        return None
+    r, xs = user.output.shape, v.shape
+    if r is None or xs is None or len(r) != 4 or tuple(r[:2]) != tuple(xs[:2]) \
+            or not all(isinstance(d, int) for d in (r[2], r[3])):
+        return None
+    heads, dim = int(r[2]), int(r[3])  # type: ignore[arg-type]
+    if heads % groups or heads * dim != groups * size or heads == groups:
+        return None
+    m.cover(user)
+    return user
 
 
 def _rw_heads_qkv(m: Match, g: Graph) -> Pairs:
@@ -74,8 +94,9 @@ def _rw_heads_qkv(m: Match, g: Graph) -> Pairs:
     assert w is not None
     h, width, sizes = m.fact("layout")
     out, lo = [], 0
-    for v, size in zip(m.root.outputs, sizes, strict=True):
-        rows = np.concatenate([np.arange(i * width + lo, i * width + lo + size) for i in range(h)])
+    regroup = m.fact("regroup") if m.node("heads").op == "Reshape" else None
+    for i, (v, size) in enumerate(zip(m.root.outputs, sizes, strict=True)):
+        rows = np.concatenate([np.arange(j * width + lo, j * width + lo + size) for j in range(h)])
         ins = [lin.inputs[0], g.add_const(f"{w.name}.heads{lo}_{lo + size}", np.asarray(w.data)[rows], unique=True)]
         if bias is not None:
             ins.append(g.add_const(f"{bias.name}.heads{lo}_{lo + size}", np.asarray(bias.data)[rows], unique=True))
@@ -86,6 +107,11 @@ def _rw_heads_qkv(m: Match, g: Graph) -> Pairs:
             b = int(v.shape[0])  # type: ignore[index, arg-type]
             shape = g.add_const("shape", np.array([b, -1, h, size], dtype=np.int64), unique=True)
             out.append((v, new_node(g, "Reshape", [part, shape], "reshape")))
+            user = regroup[i] if regroup is not None else None
+            if user is not None:  # G groups of k heads each: straight to [B, T, G * k, size / k]
+                heads, dim = user.output.shape[2:]
+                shape = g.add_const("shape", np.array([b, -1, heads, dim], dtype=np.int64), unique=True)
+                out.append((user.output, new_node(g, "Reshape", [part, shape], "reshape")))
         lo += size
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -139,7 +141,11 @@ def _check_lm_head(m: Match) -> str | None:
 
 
 def _rw_lm_head(m: Match, g: Graph) -> Pairs:
-    n = m.root
+    return [(m.root.output, _lm_head(g, m.root, {}))]
+
+
+def _lm_head(g: Graph, n: Node, attrs: dict[str, Any]) -> Value:
+    """LMHead on Linear `n`'s input and weights (tied to the embedding when it reads its storage)."""
     w = n.inputs[1]
     assert w is not None
     # Tied embeddings: reuse the embedding table's value when the head reads the same storage.
@@ -148,8 +154,7 @@ def _rw_lm_head(m: Match, g: Graph) -> Pairs:
             w = e.inputs[0]
             g.metadata["tied_embeddings"] = True
             break
-    out = g.add_node("LMHead", [n.inputs[0], w] + n.inputs[2:], {}, name="lm_head").output
-    return [(n.output, out)]
+    return g.add_node("LMHead", [n.inputs[0], w] + n.inputs[2:], attrs, name="lm_head").output
 
 
 def _same_storage(a: Value, b: Value) -> bool:
@@ -167,6 +172,33 @@ def _same_storage(a: Value, b: Value) -> bool:
 
 LM_HEAD = Rule("lm_head", P.op("Linear", P.var("x"), rest=True), _check_lm_head, _rw_lm_head,
                doc="the Linear producing the logits -> LMHead (tied to the embedding when shared)")
+
+
+def _check_lm_head_softcap(m: Match) -> str | None:
+    """c * tanh(Linear(x) / c) on the logits (Gemma 2's final-logit soft-capping); the division may
+    be written as a product by 1 / c."""
+    if not m.is_output(m.root.output):
+        return "not a graph output"
+    c, k = m.scalar("c"), m.scalar("k")
+    inner = k if m.node("div").op == "Mul" else 1.0 / k if k else 0.0
+    if c <= 0 or abs(inner * c - 1.0) > 1e-6:
+        return f"not c * tanh(x / c) (cap {c}, inner factor {inner})"
+    if m.n_uses(m["y"]) != 1:
+        return "the logits before the cap have other uses"
+    return None
+
+
+# c * tanh(Linear(x) / c) as the graph output -> LMHead(softcap=c)
+LM_HEAD_SOFTCAP = Rule(
+    "lm_head_softcap",
+    P.op("Mul", P.op("Tanh", P.op(("Div", "Mul"), P.op("Linear", P.var("x"), rest=True, out="y"),
+                                  P.scalar("k", why="not scaled by a one-element constant"), name="div",
+                                  commutative=False, why="tanh input is not the logits scaled"),
+                     why="not a product with a tanh"),
+         P.scalar("c", why="not times a one-element constant")),
+    _check_lm_head_softcap,
+    lambda m, g: [(m.root.output, _lm_head(g, m["y"].producer, {"softcap": m.scalar("c")}))],  # type: ignore[arg-type]
+    doc="c * tanh(Linear(x) / c) producing the logits -> LMHead(softcap=c) (Gemma 2)")
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------

@@ -52,6 +52,9 @@ def _head_norm(m: Match) -> Node | None:
 def _check_scale(m: Match) -> str | None:
     lin = m["lin"].producer
     assert lin is not None
+    users = m.users(m.root.output)
+    if len(users) == 1 and users[0].op == "Tanh":  # c * tanh(x / c): lm_head_softcap takes it whole
+        return "the inside of a soft-cap (tanh)"
     if any(lin.inputs[i] is not None and lin.inputs[i].data is None  # type: ignore[union-attr]
            for i in _SCALED_INPUTS[lin.op] if i < len(lin.inputs)):
         return "projection weights are not constants"

@@ -1,5 +1,6 @@
 """Sliding-window attention: Mistral, Qwen2 (windowed only from `max_window_layers` on) and
-Starcoder2 with a window of 4 keys, shorter than the prompt plus the new tokens.
+Starcoder2 with a window of 4 keys, shorter than the prompt plus the new tokens; Gemma 2 and 3
+(local and global layers alternating, Gemma 2's attention-logit and final-logit soft-capping).
 
 Raising reads the window off the exported mask by probing it (passes/probe.py `mask_window`) and
 writes it on the Attention node (`window`); the KV cache stays full-length and each query attends
@@ -73,17 +74,20 @@ def test_verifies_with_the_window_on_each_layer(family: str) -> None:
 def test_gemma_raises_local_and_global_attention(family: str, softcap: float | None) -> None:
     """Gemma 2's and 3's local layer (0, window 4) and global layer (1), scaled by
     query_pre_attn_scalar^-0.5 = 1/4; Gemma 2's soft-capped at 50 (raising folds
-    c * tanh(q k^T / 4 / c) into Attention). The reference agrees with ONNX Runtime; the kernels
-    wait for the sandwich norms (and Gemma 2's final-logit soft-cap)."""
+    c * tanh(q k^T / 4 / c) into Attention) and its logits at 30 (LMHead's softcap). The reference
+    agrees with ONNX Runtime."""
     import zlc
     from zlc.verifier import verify
 
     path = zoo.cached("stateless", family, 20)
     rep = verify(path, steps=8, max_seq=64)
     assert rep.ok, rep.summary()
-    attn = [n for n in zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode.nodes if n.op == "Attention"]
+    decode = zlc.lower(path, options=zlc.CompileOptions(max_seq=64)).decode
+    attn = [n for n in decode.nodes if n.op == "Attention"]
     assert [(n.attrs.get("window", 0), n.attrs.get("softcap"), n.attrs["scale"]) for n in attn] == \
         [(4, softcap, pytest.approx(0.25)), (0, softcap, pytest.approx(0.25))]
+    head = [n for n in decode.nodes if n.op == "LMHead"]
+    assert [n.attrs.get("softcap") for n in head] == [30.0 if family == "gemma2" else None]
 
 
 @pytest.mark.slow
@@ -120,6 +124,39 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens() -> None:
     assert _windows(lowered.decode) == WINDOWS["mistral_win"]
     assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy("mistral_win", PROMPT)
     assert megakernel_fit(lowered.decode, lowered.max_seq).compilable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_bundle_gives_hugging_faces_greedy_tokens_and_the_references_logits(family: str,
+                                                                                 tmp_path: Path) -> None:
+    """Gemma 2 and 3 end to end: local/global layers, sandwich norms, Gemma 2's soft-caps, Gemma
+    3's q/k norms. The tiny tied Gemmas mostly repeat the last prompt token, so besides HF's greedy
+    tokens, every launch's logits (a 9-token prompt, past the window, then 4 steps) are compared
+    with the reference executor's on both kernels."""
+    pytest.importorskip("triton")
+    import numpy as np
+
+    import zlc
+    from zlc.reference.session import ReferenceSession
+
+    out = tmp_path / f"{family}.zlc"
+    want = _hf_greedy(family, PROMPT)
+    assert _compile_and_run(family, out, PROMPT, 64, NEW_TOKENS) == {"interpret": want, "cpu": want}
+    lowered = zlc.lower(zoo.cached("stateless", family, 20), options=zlc.CompileOptions(max_seq=64))
+    prompt = [(11 * i + 5) % 256 for i in range(9)]
+    for device in ("interpret", "cpu"):
+        ref = ReferenceSession.from_lowered(lowered)
+        with zlc.load(out).session(device) as s:
+            tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+            exp = ref.prefill(prompt).numpy()
+            assert lg is not None and float(np.abs(lg - exp).max()) <= 1e-4, device
+            assert tok == int(exp[-1].argmax())
+            for _ in range(4):
+                tok, lg = s.step(tok, want_logits=True)
+                exp = ref.step(int(exp.reshape(-1, exp.shape[-1])[-1].argmax())).numpy().reshape(-1)
+                assert lg is not None and float(np.abs(lg[0] - exp).max()) <= 1e-4, device
+                assert tok == int(exp.argmax()), device
 
 
 # ---- the semantics ----------------------------------------------------------------------------

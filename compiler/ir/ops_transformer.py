@@ -54,7 +54,9 @@ def _linear_like(node: Node) -> list[TensorType]:
 
 
 _def("Linear", "transformer", 2, 3, "inputs: x[..., K], weight[N, K], bias[N]?")(_linear_like)
-_def("LMHead", "transformer", 2, 3, "inputs: x[..., K], weight[V, K], bias[V]?")(_linear_like)
+_def("LMHead", "transformer", 2, 3, "inputs: x[..., K], weight[V, K], bias[V]?; attrs: softcap (the "
+     "logits become softcap * tanh(logits / softcap), Gemma 2's final-logit soft-capping; 0 or "
+     "absent: none)")(_linear_like)
 
 
 @_def("RoPE", "transformer", 3, 4,

@@ -436,7 +436,9 @@ def _layernorm(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 def _linear(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, w = xs[0], xs[1]
     b = xs[2] if len(xs) > 2 else None
-    return [F.linear(x, w, b)]
+    y = F.linear(x, w, b)
+    cap = float(node.attrs.get("softcap", 0.0) or 0.0)
+    return [torch.tanh(y / cap) * cap if cap > 0 else y]
 
 
 def _act(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,11 @@ Families (:data:`FAMILIES`): the core ones every export route is tested on (:dat
 positions are arithmetic the KV cache must rebase (:data:`POSITION_FAMILIES`: ``opt``, ``gptj``,
 ``codegen``, ``cohere``), and more that compile (:data:`EXTRA_FAMILIES`: ``granite``, ``starcoder2``,
 ``olmo``, and the partial-rotary ``stablelm``, ``phi``, ``gpt_neox``), the sliding-window
-``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), and ``gemma2``, ``gemma3``
-(local and global layers, soft-capping), and the q/k-norm and post-norm families ``qwen3``, ``olmo2``,
-``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py). 2 layers, hidden 64, 4 heads
+``mistral_win``, ``qwen2_win``, ``starcoder2_win`` (a window of 4), ``gemma2``, ``gemma3``
+(local and global layers, soft-capping), the q/k-norm and post-norm families ``qwen3``, ``olmo2``,
+``gemma2_nowin``, ``gemma3_nowin`` (tests/test_family_norms.py), ``codegen_8h`` (CodeGen with 2 heads
+per mp_num group, 8 heads of 8 dims: tests/test_family_torch_rotary.py), the ALiBi families ``bloom``
+and ``mpt`` and Falcon (``falcon``: multi-query, ``falcon_new``: GQA with two LayerNorms). 2 layers, hidden 64, 4 heads
 (head_dim 16), 2 KV heads (GQA; GPT-2, OPT, GPT-J, CodeGen and GPT-NeoX have no GQA, so 4), vocab 256, intermediate 128, 256 positions, fp32,
 ``attn_implementation="eager"``. Weights are drawn from ``torch.manual_seed(seed)`` and then re-drawn
 at a scale that makes the tests discriminating: every matrix ~ N(0, 1/8) (unit-scale activations,
@@ -116,6 +118,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         n_positions=256,
         n_ctx=256,
         rotary_dim=8,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    # CodeGen with 2 heads per mp_num group (8 heads of 8 dims in 4 groups; rotary on the first 4)
+    "codegen_8h": dict(
+        model_type="codegen",
+        n_embd=64,
+        n_head=8,
+        n_layer=2,
+        n_inner=128,
+        n_positions=256,
+        n_ctx=256,
+        rotary_dim=4,
         vocab_size=256,
         bos_token_id=1,
         eos_token_id=2,

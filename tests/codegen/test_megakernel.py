@@ -45,8 +45,9 @@ MODELS = {  # id -> (zoo kind, family, opset)
     "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
     "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
     "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
+    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
 }
-TIED = {"llama": False, "gpt2": True, "gemma": True, "phi3-genai": False, "qwen2-optimum": False}
+TIED = {"llama": False, "gpt2": True, "gemma": True, "phi3-genai": False, "qwen2-optimum": False, "bloom": True}
 
 
 class Built:
@@ -141,16 +142,18 @@ def test_prompt_longer_than_a_chunk(built: Callable[..., Built]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fused", [False, True], ids=["ops", "fused"])
+@pytest.mark.parametrize(("name", "fused"), [("llama", False), ("llama", True), ("bloom", True)],
+                         ids=["ops", "fused", "bloom-fused"])
 def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle: Any, work: Path,
-                                     fused: bool) -> None:
+                                     name: str, fused: bool) -> None:
     """The cpu tiling never splits KV; a custom tiling with 4 splits of 16 keys (and 16-column
     Linear tasks, so many tasks) runs through a bundle rewritten for it. Decode at positions
     37..40 uses three splits and leaves the fourth empty. `fused`: the GPU tiling's fusions --
     decode attention reads the step's k/v from the projections and its owner appends them to the
     cache (no cache_append op in decode), the output projection merges the partials as it loads
-    (no combine op)."""
-    b = built("llama")
+    (no combine op). BLOOM: ALiBi at the keys' absolute positions, in every split and for the
+    step's own key."""
+    b = built(name)
     t = replace(tiling_for(get_target("cpu"), 64), kv_splits=4, block_kv=16, block_n=16, max_linear_tasks=0,
                 fuse_kv_append=fused, fuse_combine=fused)
     p = b.program(t)
@@ -158,7 +161,8 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
     combines = sum(x.op == fmt.OP_ATTN_COMBINE for x in p.tables["decode"])
     appends = sum(x.op == fmt.OP_CACHE_APPEND for m in p.tables.values() for x in m)
     # combines: layers x heads (decode); appends: layers x kv heads, per mode (fused: prefill only)
-    assert (combines, appends) == ((0, 2 * 2) if fused else (2 * 4, 2 * 2 * 2))
+    kv = int(next(n for n in b.lowered.decode.nodes if n.op == "Attention").inputs[1].shape[1])
+    assert (combines, appends) == ((0, 2 * kv) if fused else (2 * 4, 2 * kv * 2))
     path = program_bundle(b.path, work / f"split-{fused}.zlc", p)
     prompt = [(11 * i + 5) % b.vocab for i in range(37)]
     with b.session(path) as s:

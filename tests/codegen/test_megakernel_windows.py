@@ -72,16 +72,18 @@ def test_fused_split_kv_skips_splits_before_the_window(qwen2_win: tuple[Path, An
         _check(s, lowered, [(11 * i + 5) % 256 for i in range(37)], steps=3)
 
 
-def test_attention_softcap_matches_the_reference(qwen2_win: tuple[Path, Any], program_bundle: Any,
-                                                 tmp_path: Path) -> None:
-    """Attention-logit soft-capping (softcap * tanh(s / softcap), Gemma 2's) in the prefill and
-    decode bodies: the qwen2_win graph with a cap of 0.5 on both layers."""
+@pytest.mark.parametrize("op", ["Attention", "LMHead"])
+def test_softcap_matches_the_reference(qwen2_win: tuple[Path, Any], program_bundle: Any, tmp_path: Path,
+                                       op: str) -> None:
+    """Soft-capping (softcap * tanh(x / softcap), Gemma 2's) in the prefill and decode bodies: the
+    qwen2_win graph with a cap of 0.5 on both layers' attention scores, or of 2 on the logits
+    (the prefill's tl.dot rows, its last row's and decode's matrix-vector bodies)."""
     path, _ = qwen2_win
     lowered = zlc.lower(zoo.cached("stateless", "qwen2_win", 20), options=zlc.CompileOptions(max_seq=64))
     for g in (lowered.prefill, lowered.decode):
         for n in g.nodes:
-            if n.op == "Attention":
-                n.attrs["softcap"] = 0.5
+            if n.op == op:
+                n.attrs["softcap"] = 0.5 if op == "Attention" else 2.0
     p = schedule(lowered.decode, tiling_for(get_target("cpu"), 64), 64)
     with _session(program_bundle(path, tmp_path / "softcap.zlc", p)) as s:
         _check(s, lowered, [(11 * i + 5) % 256 for i in range(9)], steps=2)

@@ -18,6 +18,7 @@ MODELS = {  # id -> (zoo kind, family, opset): the families the megakernel tests
     "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
     "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
     "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
+    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
 }
 
 

@@ -85,11 +85,13 @@ def test_decode_equals_prefill_of_the_same_sequence(built: Callable[..., Built])
         np.testing.assert_allclose(lg, whole[len(PROMPT) + i], rtol=0, atol=ATOL)
 
 
-def test_split_kv_and_narrow_tasks(built: Callable[..., Built], tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_split_kv_and_narrow_tasks(built: Callable[..., Built], tmp_path: Path, name: str) -> None:
     """A tiling the bundles do not use: 4 KV splits of 16 keys (decode at positions 37..40 uses
     three and leaves one empty; the combine task merges them) and 16-column Linear tasks (they
-    start inside the 32-column weight panels of AVX-512)."""
-    b = built("llama")
+    start inside the 32-column weight panels of AVX-512). BLOOM: each split adds its keys' ALiBi
+    bias at their absolute positions."""
+    b = built(name)
     t = replace(tiling_for(None, 64, native=True), kv_splits=4, block_kv=16, block_n=16)
     p = b.program(t)
     validate_program(p)

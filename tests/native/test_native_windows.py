@@ -50,17 +50,19 @@ def test_split_kv_skips_splits_before_the_window(qwen2_win: Built, tmp_path: Pat
         assert_matches(run_both(s, ReferenceSession.from_lowered(b.lowered), prompt, steps=3))
 
 
-def test_attention_softcap_matches_the_reference(qwen2_win: Built, tmp_path: Path) -> None:
-    """Attention-logit soft-capping (softcap * tanh(s / softcap), Gemma 2's) on the native kernel:
-    the qwen2_win graph with a cap of 0.5 on both layers (small enough to change every score)."""
+@pytest.mark.parametrize("op", ["Attention", "LMHead"])
+def test_softcap_matches_the_reference(qwen2_win: Built, tmp_path: Path, op: str) -> None:
+    """Soft-capping (softcap * tanh(x / softcap), Gemma 2's) on the native kernel: the qwen2_win
+    graph with a cap of 0.5 on both layers' attention scores (small enough to change every score),
+    or of 2 on the logits (all rows' logits compared, and the greedy tokens)."""
     import zlc
     from zlc.testing import zoo
 
     lowered = zlc.lower(zoo.cached("stateless", "qwen2_win", 20), options=zlc.CompileOptions(max_seq=64))
     for g in (lowered.prefill, lowered.decode):
         for n in g.nodes:
-            if n.op == "Attention":
-                n.attrs["softcap"] = 0.5
+            if n.op == op:
+                n.attrs["softcap"] = 0.5 if op == "Attention" else 2.0
     ref, plain = ReferenceSession.from_lowered(lowered), ReferenceSession.from_lowered(qwen2_win.lowered)
     prompt = [(11 * i + 5) % qwen2_win.vocab for i in range(9)]
     assert float((ref.prefill(prompt) - plain.prefill(prompt)).abs().max()) > 1e-2  # the cap bites
