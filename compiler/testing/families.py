@@ -153,8 +153,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Phi-2: partial rotary (8 of 16 dims), parallel attention + GELU MLP off one LayerNorm, biases
     # everywhere, LM head with bias
     "phi": dict(model_type="phi", **_COMMON),
-    # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
-    # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
     # sliding-window attention shorter than the context: each query attends over the last 4
     # positions (itself included); Qwen2 windows only the layers from max_window_layers on (layer 1)
     "mistral_win": dict(model_type="mistral", sliding_window=4, **_COMMON),
@@ -169,6 +167,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # sliding layer (layer_types spelled out: the default pattern windows every layer of two)
     "gemma3": dict(model_type="gemma3_text", sliding_window=4, query_pre_attn_scalar=16,
                    layer_types=["sliding_attention", "full_attention"], **_COMMON),
+    # GPT-NeoX / Pythia: one query_key_value projection laid out per head ([q_h k_h v_h] for each
+    # head h), partial rotary (4 of 16 dims), parallel attention + MLP off two LayerNorms
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                      intermediate_size=128, vocab_size=256, max_position_embeddings=256, bos_token_id=1,
                      eos_token_id=2),
@@ -219,7 +219,7 @@ MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe")
 #: The families every export route is tested on (stateless at several opsets, Optimum KV, genai).
 CORE_FAMILIES: tuple[str, ...] = ("gemma", "gpt2", "llama", "llama-chat", "mistral", "phi3", "qwen2")
 #: Families whose positions are arithmetic the cache must rebase (learned table at an offset, sin/cos
-#: rows gathered at Range, frequencies times Range). OPT compiles; the others' rotary does not yet.
+#: rows gathered at Range, frequencies times Range). All four compile.
 POSITION_FAMILIES: tuple[str, ...] = ("opt", "gptj", "codegen", "cohere")
 #: More families the megakernel runs: Granite's scalar multipliers (raising folds them into weights),
 #: Starcoder2's biases and GELU MLP, OLMo's parameter-free LayerNorm; StableLM, Phi-2 and GPT-NeoX
