@@ -38,7 +38,9 @@ def _up(v: Value | None, ops: tuple[str, ...] = _VIEWS) -> Value | None:
 def _topk_output(v: Value | None) -> tuple[Node, int] | None:
     v = _up(v)
     n = prod(v, "TopK")
-    return None if n is None or v is None else (n, n.outputs.index(v))
+    if n is None or v is None or not n.attrs.get("largest", 1):  # a router takes the k largest
+        return None
+    return n, n.outputs.index(v)
 
 
 def _gathered(v: Value | None) -> tuple[Value, Node] | None:

@@ -269,9 +269,7 @@ def _max_dim(cx: FxContext, a: Args) -> list[Value]:
 
 @aten_op("aten::topk.default")
 def _topk(cx: FxContext, a: Args) -> list[Value]:
-    if not a["largest"]:
-        raise cx.unsupported("largest=False (the k smallest) is not supported")
-    return cx.emit_multi("TopK", [a["self"]], 2, k=int(a["k"]), axis=int(a["dim"]), largest=1,
+    return cx.emit_multi("TopK", [a["self"]], 2, k=int(a["k"]), axis=int(a["dim"]), largest=int(bool(a["largest"])),
                          sorted=int(bool(a["sorted"])))
 
 

@@ -254,9 +254,8 @@ def _topk_input(cx: Cx) -> list[Value]:
 
 
 def _topk(cx: Cx, k: int) -> list[Value]:
-    if not int(cx.attr("largest", 1)):
-        raise cx.unsupported("largest=0 (the k smallest) is not supported")
-    outs = cx.emit("TopK", cx.req(0), n_outputs=2, k=k, axis=int(cx.attr("axis", -1)), largest=1,
+    outs = cx.emit("TopK", cx.req(0), n_outputs=2, k=k, axis=int(cx.attr("axis", -1)),
+                   largest=int(bool(cx.attr("largest", 1))),
                    sorted=int(cx.attr("sorted", 1)))
     return list(outs)
 

@@ -115,8 +115,8 @@ def _arg_reduce(node: Node) -> list[TensorType]:
 for _n in ("ArgMax", "ArgMin"):
     _def(_n, "primitive", 1, 1, "attrs: axis, keepdims, select_last_index")(_arg_reduce)
 
-@_def("TopK", "primitive", 1, 1, "outputs: values, indices (i64); attrs: k (static), axis, largest, sorted; "
-      "ties go to the lower index")
+@_def("TopK", "primitive", 1, 1, "outputs: values, indices (i64); attrs: k (static), axis, largest (1: the k largest, "
+      "0: the k smallest), sorted; ties go to the lower index")
 def _topk(node: Node) -> list[TensorType]:
     x = type_of(node.inputs[0])
     if x.shape is None:

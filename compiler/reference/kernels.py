@@ -197,8 +197,9 @@ def _argmax(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 def _topk(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x = xs[0]
     axis, k = node.attrs.get("axis", -1) % max(x.dim(), 1), int(node.attrs["k"])
-    # a stable descending sort: equal values keep their order, so ties go to the lower index (ONNX)
-    vals, idx = torch.sort(x, dim=axis, descending=True, stable=True)
+    # a stable sort (descending for the k largest, ascending for the k smallest): equal values keep
+    # their order, so ties go to the lower index (ONNX)
+    vals, idx = torch.sort(x, dim=axis, descending=bool(node.attrs.get("largest", 1)), stable=True)
     return [vals.narrow(axis, 0, k).contiguous(), idx.narrow(axis, 0, k).contiguous()]
 
 

@@ -30,7 +30,7 @@ _REDUCE = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "R
 # op -> positions of inputs zlc requires to be constants
 STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     **{op: (1,) for op in _REDUCE},
-    "Split": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "Dropout": (1, 2),
+    "Split": (1,), "Squeeze": (1,), "Unsqueeze": (1,), "Dropout": (1, 2), "TopK": (1,),
 }
 
 
