@@ -174,14 +174,21 @@ def _rw_rope(m: Match, g: Graph) -> Pairs:
 
 
 _TWO_PRODUCTS = "not a sum of two products"
+
+
+def rope_sum(rotated: OpPattern) -> OpPattern:
+    """x*cos + rotated*sin: the shape of every RoPE form; `rotated` reads x (rotate-half, pairs)."""
+    return P.op("Add", P.op("Mul", P.var("x"), P.var("cos"), why=_TWO_PRODUCTS),
+                P.op("Mul", rotated, P.var("sin"), why=_TWO_PRODUCTS))
+
+
 # x when v = Concat(-x[..., h:], x[..., :h]) (bounds: _is_rotate_half); read, not replaced
 _ROTATE_HALF = P.op("Concat", P.op("Neg", P.op("Slice", P.var("x"), rest=True, name="hi")),
                     P.op("Slice", P.var("x"), rest=True, name="lo"), keep=True)
 
 ROPE = Rule(
     "rope",
-    P.op("Add", P.op("Mul", P.var("x"), P.var("cos"), why=_TWO_PRODUCTS),
-         P.op("Mul", _ROTATE_HALF, P.var("sin"), why=_TWO_PRODUCTS)),
+    rope_sum(_ROTATE_HALF),
     _check_rope, _rw_rope, why=_NO_ROPE,
     doc="x*cos + rotate_half(x)*sin with position-only cos/sin -> RoPE(x, tables, positions)")
 

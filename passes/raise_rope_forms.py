@@ -13,12 +13,11 @@ from zlc.ir import Graph, Node, Value
 
 from .match import slice_bounds
 from .pattern import scalar
-from .raise_attention import bind_rotary, rotary_tables, table_consts
+from .raise_attention import bind_rotary, rope_sum, rotary_tables, table_consts
 from .raising import new_node
 from .rewrite import Match, P, Rule
 
 Pairs = list[tuple[Value, Value]]
-_TWO_PRODUCTS = "not a sum of two products"
 
 
 # ---- RoPE (interleaved pairs: GPT-J, CodeGen, Cohere) ---------------------------------------------
@@ -79,8 +78,7 @@ _ROTATE_PAIRS = P.op("Reshape", P.op("Concat", P.op("Unsqueeze", P.op("Neg", P.o
 
 ROPE_PAIRS = Rule(
     "rope_pairs",
-    P.op("Add", P.op("Mul", P.var("x"), P.var("cos"), why=_TWO_PRODUCTS),
-         P.op("Mul", _ROTATE_PAIRS, P.var("sin"), why=_TWO_PRODUCTS)),
+    rope_sum(_ROTATE_PAIRS),
     _check_rope_pairs, _rw_rope_pairs, why=_NO_ROPE_PAIRS,
     doc="x*cos + rotate_pairs(x)*sin with position-only cos/sin -> RoPE(x, tables, positions, interleaved)")
 

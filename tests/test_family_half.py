@@ -107,14 +107,7 @@ def test_verify_cli_reports_the_oracle_and_takes_atol() -> None:
 def _hf_greedy(family: str, dtype: torch.dtype, *, f32: bool = False) -> list[int]:
     """HF generate on the half model; with `f32`, the f32 model on the same half-rounded weights."""
     model = zoo.hf_model(family).to(dtype)
-    if f32:
-        model = model.float()
-    model.generation_config.eos_token_id = None  # qwen2's eos (2) is among its greedy tokens
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, len(PROMPT):]]
+    return zoo.hf_greedy(model.float() if f32 else model, PROMPT, NEW_TOKENS)  # qwen2's EOS (2) does not stop it
 
 
 # Where HF's own half generate rounds every activation to half and a near-tie flips a token
@@ -143,11 +136,9 @@ def test_half_bundle_gives_hugging_faces_greedy_tokens(kind: str, family: str, t
     verification = json.loads(res.stdout)["verification"]
     assert verification["ok"] and verification["atol"] == DEFAULT_ATOL[kind.removeprefix("stateless_")]
     want = _hf_greedy(family, HALF_KINDS[kind], f32=(kind, family) in F32_ORACLE)
-    for device in ("interpret", "cpu"):
-        res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, PROMPT)),
-                                       "--max-new-tokens", str(NEW_TOKENS), "--device", device, "--json"])
-        assert res.exit_code == 0, res.output
-        assert json.loads(res.stdout)["generated"] == want, device
+    from bundle_checks import DEVICES, bundle_greedy
+
+    assert bundle_greedy(out, PROMPT, NEW_TOKENS) == dict.fromkeys(DEVICES, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -27,12 +27,7 @@ NEW_TOKENS = 8
 
 
 def _hf_greedy(family: str) -> list[int]:
-    model = zoo.hf_model(family)
-    ids = torch.tensor([PROMPTS[family]])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, ids.shape[1]:]]
+    return zoo.hf_greedy(family, PROMPTS[family], NEW_TOKENS)
 
 
 def test_topk_reference_equals_torch_and_breaks_ties_to_the_lower_index() -> None:
@@ -86,26 +81,17 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens() -> None:
 
 
 def _run(bundle: Path, prompt: list[int], device: str) -> list[int]:
-    from click.testing import CliRunner
+    from bundle_checks import run_greedy
 
-    from zlc.cli import cli
-
-    res = CliRunner().invoke(cli, ["run", str(bundle), "--prompt-ids", ",".join(map(str, prompt)),
-                                   "--max-new-tokens", str(NEW_TOKENS), "--device", device, "--json"])
-    assert res.exit_code == 0, res.output
-    return [int(t) for t in json.loads(res.stdout)["generated"]]
+    return run_greedy(bundle, prompt, NEW_TOKENS, device)
 
 
 @pytest.fixture(scope="module")
 def mixtral_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from click.testing import CliRunner
-
-    from zlc.cli import cli
+    from bundle_checks import compile_bundle
 
     out = tmp_path_factory.mktemp("moe") / "mixtral.zlc"
-    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", "mixtral", 20)), "-o", str(out),
-                                   "--max-seq", "64"])
-    assert res.exit_code == 0, res.output
+    compile_bundle(zoo.cached("stateless", "mixtral", 20), out, "--max-seq", "64")
     return out
 
 

@@ -12,7 +12,6 @@ interpreter against the reference executor.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -29,15 +28,7 @@ NEW_TOKENS = 8
 
 
 def _hf_greedy(family: str) -> list[int]:
-    """Hugging Face's own greedy generation (its KV cache, its positions): the oracle."""
-    import torch
-
-    model = zoo.hf_model(family)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, len(PROMPT):]]
+    return zoo.hf_greedy(family, PROMPT, NEW_TOKENS)
 
 
 # ---- raising ------------------------------------------------------------------------------------
@@ -102,20 +93,11 @@ def test_bundle_gives_hugging_faces_greedy_tokens(family: str, tmp_path: Path) -
     repeat the prompt's last token, so for them the logits check of
     tests/codegen/test_megakernel_norms.py is the discriminating one.)"""
     pytest.importorskip("triton")
-    from click.testing import CliRunner
-
-    from zlc.cli import cli
+    from bundle_checks import DEVICES, bundle_greedy, compile_bundle
 
     out = tmp_path / f"{family}.zlc"
-    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", family, 20)), "-o", str(out),
-                                   "--max-seq", "64"])
-    assert res.exit_code == 0, res.output
-    want = _hf_greedy(family)
-    for device in ("interpret", "cpu"):
-        res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, PROMPT)),
-                                       "--max-new-tokens", str(NEW_TOKENS), "--device", device, "--json"])
-        assert res.exit_code == 0, res.output
-        assert json.loads(res.stdout)["generated"] == want, device
+    compile_bundle(zoo.cached("stateless", family, 20), out, "--max-seq", "64")
+    assert bundle_greedy(out, PROMPT, NEW_TOKENS) == dict.fromkeys(DEVICES, _hf_greedy(family))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2"])  # the Gemmas pass too (CI time)

@@ -15,7 +15,6 @@ native C kernel."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -29,15 +28,7 @@ NEW_TOKENS = 8
 
 
 def _hf_greedy(family: str) -> list[int]:
-    import torch
-
-    model = zoo.hf_model(family)
-    model.generation_config.eos_token_id = None  # the bundle does not stop at EOS (id 2)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, len(PROMPT):]]
+    return zoo.hf_greedy(family, PROMPT, NEW_TOKENS)
 
 
 def _bundle_tokens(bundle: Path) -> dict[str, list[int]]:
@@ -96,17 +87,8 @@ def test_codegen_with_two_heads_per_group_verifies_and_fits() -> None:
 @pytest.mark.slow
 def test_codegen_with_two_heads_per_group_bundle_gives_hugging_faces_greedy_tokens(tmp_path: Path) -> None:
     pytest.importorskip("triton")
-    from click.testing import CliRunner
-
-    from zlc.cli import cli
+    from bundle_checks import DEVICES, bundle_greedy, compile_bundle
 
     out = tmp_path / "codegen_8h.zlc"
-    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", "codegen_8h", 20)), "-o", str(out),
-                                   "--max-seq", "64"])
-    assert res.exit_code == 0, res.output
-    want = _hf_greedy("codegen_8h")
-    for device in ("interpret", "cpu"):
-        res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, PROMPT)),
-                                       "--max-new-tokens", str(NEW_TOKENS), "--device", device, "--json"])
-        assert res.exit_code == 0, res.output
-        assert json.loads(res.stdout)["generated"] == want, device
+    compile_bundle(zoo.cached("stateless", "codegen_8h", 20), out, "--max-seq", "64")
+    assert bundle_greedy(out, PROMPT, NEW_TOKENS) == dict.fromkeys(DEVICES, _hf_greedy("codegen_8h"))

@@ -9,7 +9,6 @@ Hugging Face's own greedy generation (its sliding-window cache and masks)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,7 @@ WINDOWS = {"mistral_win": [4, 4], "qwen2_win": [0, 4], "starcoder2_win": [4, 4]}
 
 
 def _hf_greedy(family: str, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
-    import torch
-
-    model = zoo.hf_model(family)
-    model.generation_config.eos_token_id = None  # zlc run --prompt-ids does not stop at EOS (id 2)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, len(prompt):]]
+    return zoo.hf_greedy(family, prompt, new_tokens)
 
 
 def _windows(graph: object) -> list[int]:
@@ -42,20 +33,10 @@ def _windows(graph: object) -> list[int]:
 
 def _compile_and_run(family: str, out: Path, prompt: list[int], max_seq: int, new_tokens: int,
                      devices: tuple[str, ...] = ("interpret", "cpu")) -> dict[str, list[int]]:
-    from click.testing import CliRunner
+    from bundle_checks import bundle_greedy, compile_bundle
 
-    from zlc.cli import cli
-
-    res = CliRunner().invoke(cli, ["compile", str(zoo.cached("stateless", family, 20)), "-o", str(out),
-                                   "--max-seq", str(max_seq)])
-    assert res.exit_code == 0, res.output
-    got = {}
-    for device in devices:
-        res = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", ",".join(map(str, prompt)),
-                                       "--max-new-tokens", str(new_tokens), "--device", device, "--json"])
-        assert res.exit_code == 0, res.output
-        got[device] = json.loads(res.stdout)["generated"]
-    return got
+    compile_bundle(zoo.cached("stateless", family, 20), out, "--max-seq", str(max_seq))
+    return bundle_greedy(out, prompt, new_tokens, devices)
 
 
 @pytest.mark.parametrize("family", list(WINDOWS))

@@ -24,18 +24,6 @@ FAMILIES = ["llama", "gpt2", "phi3", "qwen2", "mistral", "gemma", "starcoder2", 
             "gemma3", "falcon_new", "qwen3_moe"]
 
 
-def _hf_greedy(family: str) -> list[int]:
-    """HF's own greedy generation (its cache, its positions); EOS (id 2) does not stop it, as it does
-    not stop zlc's reference session."""
-    model = zoo.hf_model(family)
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return [int(t) for t in out[0, len(PROMPT):]]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_torch_export_route_gives_hugging_faces_greedy_tokens_and_fits(family: str) -> None:
     import zlc
@@ -43,6 +31,6 @@ def test_the_torch_export_route_gives_hugging_faces_greedy_tokens_and_fits(famil
     from zlc.verifier import megakernel_fit
 
     lowered = zlc.lower(zoo.hf_model(family), (torch.tensor([PROMPT]),), options=zlc.CompileOptions(max_seq=32))
-    assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == _hf_greedy(family)
+    assert ReferenceSession.from_lowered(lowered).generate(PROMPT, NEW_TOKENS) == zoo.hf_greedy(family, PROMPT, NEW_TOKENS)
     fit = megakernel_fit(lowered.decode, lowered.max_seq)
     assert fit.compilable, fit

@@ -287,6 +287,22 @@ def hf_model(family: str, seed: int = 0, attn_implementation: str = "eager") -> 
     return model.float().eval()
 
 
+def hf_greedy(model: str | torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """Hugging Face's own greedy generation (its KV cache, its positions), the families' oracle:
+    ``new_tokens`` ids after ``prompt`` from ``generate(do_sample=False)`` of ``model`` (a family
+    name, or a module such as a half-precision copy). EOS does not stop it, as it does not stop
+    ``zlc run --prompt-ids`` or zlc's reference session."""
+    import torch
+
+    m: Any = hf_model(model) if isinstance(model, str) else model
+    m.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return [int(t) for t in out[0, len(prompt):]]
+
+
 def save_hf_dir(family: str, out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
     """``save_pretrained`` the family's model plus a trivial 256-token word-level tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
