@@ -37,8 +37,11 @@ _CALLS = {
 
 # The decode kernel's own bodies (STEP == MODE_DECODE: one query row; docs/megakernel.md, "Two kernels").
 _DECODE_CALLS = {
-    fmt.OP_ATTENTION: "op_attention_row(DI, DF, P, A, d, a, c, past, BLOCK_KV, HEAD_P2, KV_SPLITS)",
+    fmt.OP_ATTENTION: "op_attention_row(DI, DF, CNT, CTRL, P, A, row, d, a, c, past, BLOCK_KV, HEAD_P2, KV_SPLITS,\n"
+                      "                                 DEBUG)",
 }
+
+_DECODE_WAITS_ITSELF = frozenset({fmt.OP_ATTENTION})
 
 # A debug build's waits give up after this long and raise the error flag instead of hanging.
 DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
@@ -63,6 +66,7 @@ class _Kind:
     call: str
     waits_itself: bool = False  # the body waits for its inputs after requesting its weights
     decode_call: str = ""  # the decode kernel's body instead, when it has its own
+    decode_waits_itself: bool = False  # that body waits itself (after requesting what no wait orders)
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,8 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     return env.get_template("megakernel.py.jinja").render(
         version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts,
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS,
-        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""))
+        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""),
+                       decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
                          prefetch_bytes))
