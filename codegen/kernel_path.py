@@ -172,12 +172,15 @@ def _flatten(code: KernelCode, path: list[tuple[str, int]], ev: Evaluator, n_wai
             out.append(("i", n))
     kept: list[tuple[str, int]] = []
     copy = 0
+    done = n_waits == 0  # the last copy the task runs is over (its barrier passed): drop the rest
     for kind, x in out:
         if kind == "i" and code.in_wait[x]:
-            if copy >= n_waits:
+            if done:
                 continue
             if x in code.polls:
                 copy += 1
+            elif copy >= n_waits and ins[x].is_barrier:
+                done = True  # the last wait's barrier: its test of the polled count came before it
         kept.append((kind, x))
     return kept
 
