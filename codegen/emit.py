@@ -55,6 +55,9 @@ MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
 # 56 KB in flight so, 32 KB in 128-column chunks: the latency model priced that 12 us slower on h200).
 GATED_MAX_CHUNK = 128
 GATED_SPLIT_K = 1024
+# A fused MLP down (split-K) streams Wd[:, n0:n1] in chunks of at most this many rows ([rows,
+# BLOCK_N] tiles: 8 KB of bf16 at BLOCK_N 32), continuing the gate/up weight stream.
+DOWN_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,30 @@ class GemvBody:
     block_n: int
     item: int  # bytes per weight
     head_d: int = 0  # norm 3 (merged from split-KV partials): the attention's head size, a literal in the body
+    down: int = 0  # a fused MLP down's rows (its output columns; 0: none)
+    down_ld: int = 0  # its matrix's row length (the gate/up's N), a literal in the body
+    down_chunks: tuple[Chunk, ...] = ()
+    # per stream position (the gate/up chunks, then the down chunks): the down chunks requested
+    # there, before its arithmetic, keeping ~prefetch_bytes in flight once the gate/up stream ends
+    down_issue: tuple[tuple[int, ...], ...] = ()
 
     @property
     def name(self) -> str:
         return (f"_gemv_k{self.k}" + ("", "_rms", "_ln", "_merged")[self.norm] + ("b" if self.ln_bias else "")
-                + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else ""))
+                + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else "")
+                + (f"_down{self.down}x{self.down_ld}" if self.down else ""))
+
+    @property
+    def down_sizes(self) -> str:
+        return " + ".join(str(c.size) for c in self.down_chunks)
+
+    @property
+    def down_depth(self) -> int:
+        return max((len(x) for x in self.down_issue[:len(self.chunks)]), default=0)
+
+    @property
+    def down_distinct_sizes(self) -> list[int]:
+        return sorted({c.size for c in self.down_chunks})
 
     @property
     def sizes(self) -> str:
@@ -145,10 +167,11 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 if t.op == fmt.OP_LINEAR:
                     di = p.desc_int[t.desc]
                     norm = int(di[10])
+                    down = int(di[22]) if int(di[21]) == 0 else 0
                     shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
-                                int(di[12]) if norm == pg.NORM_COMBINE else 0))
+                                int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
     out = []
-    for k, norm, ln_bias, gated, head_d in sorted(shapes):
+    for k, norm, ln_bias, gated, head_d, down, down_ld in sorted(shapes):
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
@@ -156,8 +179,37 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         while depth < len(chunks) and got < prefetch_bytes:
             got += chunks[depth].size * block_n * item * (2 if gated else 1)
             depth += 1
-        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d))
+        d_chunks = chunk_plan(down, min(max_chunk, DOWN_MAX_ROWS)) if down else ()
+        if d_chunks is None:
+            continue  # rows that do not split into chunks: the generic body
+        issue = _down_issue([c.size * block_n * item * (2 if gated else 1) for c in chunks], depth,
+                            [c.size * block_n * item for c in d_chunks], prefetch_bytes)
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
+                            d_chunks, issue))
     return out
+
+
+def _down_issue(up: list[int], depth: int, down: list[int], prefetch_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Where a fused down's chunks are requested: at stream position p (the gate/up chunks, then
+    the down chunks), before p's arithmetic, the next down chunks while less than `prefetch_bytes`
+    of requested weights are not yet consumed; none before the gate/up stream has requested its
+    last chunk (the gate/up chunks keep their fixed depth), so the down loads continue it."""
+    if not down:
+        return ()
+    sizes = up + down
+    issued = depth  # stream items requested so far (the prologue requested the first `depth`)
+    out: list[tuple[int, ...]] = []
+    for p in range(len(sizes)):
+        if p + depth < len(up):
+            issued = max(issued, p + depth + 1)
+        now: list[int] = []
+        if p + depth >= len(up) - 1 or issued >= len(up):
+            issued = max(issued, len(up))
+            while issued < len(sizes) and (issued <= p or sum(sizes[p + 1:issued]) < prefetch_bytes):
+                now.append(issued - len(up))
+                issued += 1
+        out.append(tuple(now))
+    return tuple(out)
 
 
 def signature(weight_dtype: str) -> dict[str, str]:
