@@ -167,7 +167,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 if t.op == fmt.OP_LINEAR:
                     di = p.desc_int[t.desc]
                     norm = int(di[10])
-                    down = int(di[22]) if int(di[21]) == 0 else 0
+                    down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
                     shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
                                 int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
     out = []
