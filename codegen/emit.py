@@ -103,8 +103,8 @@ class GemvBody:
     down: int = 0  # a fused MLP down's rows (its output columns; 0: none)
     down_ld: int = 0  # its matrix's row length (the gate/up's N), a literal in the body
     down_chunks: tuple[Chunk, ...] = ()
-    # per stream position (the gate/up chunks, then the down chunks): the down chunks requested
-    # there, before its arithmetic, keeping ~prefetch_bytes in flight once the gate/up stream ends
+    # the prologue, then per stream position (the gate/up chunks, then the down chunks): the down
+    # chunks requested there, keeping ~prefetch_bytes in flight once the gate/up stream ends
     down_issue: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -119,7 +119,7 @@ class GemvBody:
 
     @property
     def down_depth(self) -> int:
-        return max((len(x) for x in self.down_issue[:len(self.chunks)]), default=0)
+        return max((len(x) for x in self.down_issue[:len(self.chunks) + 1]), default=0)
 
     @property
     def down_distinct_sizes(self) -> list[int]:
@@ -190,21 +190,22 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
 
 
 def _down_issue(up: list[int], depth: int, down: list[int], prefetch_bytes: int) -> tuple[tuple[int, ...], ...]:
-    """Where a fused down's chunks are requested: at stream position p (the gate/up chunks, then
-    the down chunks), before p's arithmetic, the next down chunks while less than `prefetch_bytes`
-    of requested weights are not yet consumed; none before the gate/up stream has requested its
-    last chunk (the gate/up chunks keep their fixed depth), so the down loads continue it."""
+    """Where a fused down's chunks are requested: entry 0 is the prologue (before the wait), entry
+    1 + p stream position p (the gate/up chunks, then the down chunks), before p's arithmetic. The
+    down chunks continue the gate/up stream: none before it has requested its last chunk (the
+    gate/up chunks keep their fixed depth), then the next ones while less than `prefetch_bytes`
+    of requested weights are not yet consumed (in the prologue, too, when the whole gate/up slice
+    is requested there: the down matrix never depends on the step either)."""
     if not down:
         return ()
     sizes = up + down
-    issued = depth  # stream items requested so far (the prologue requested the first `depth`)
+    issued = min(depth, len(up))  # stream items requested so far
     out: list[tuple[int, ...]] = []
-    for p in range(len(sizes)):
-        if p + depth < len(up):
+    for p in range(-1, len(sizes)):
+        if 0 <= p and p + depth < len(up):
             issued = max(issued, p + depth + 1)
         now: list[int] = []
-        if p + depth >= len(up) - 1 or issued >= len(up):
-            issued = max(issued, len(up))
+        if issued >= len(up):
             while issued < len(sizes) and (issued <= p or sum(sizes[p + 1:issued]) < prefetch_bytes):
                 now.append(issued - len(up))
                 issued += 1
