@@ -4,7 +4,11 @@ The dispatch chain holds only the op kinds the program uses, so a model without 
 CPU target) does not carry the combine body's registers. Every model dimension is known here, so
 the matrix-vector product (a decode step's whole weight stream) gets one body per row length K
 the model has (`GemvBody`): unrolled, unmasked along K, with a chosen number of weight chunks in
-flight. The source is a real `.py` file because Triton reads kernels with `inspect`.
+flight. The model's optional code paths (sliding window, soft-caps, ALiBi, q/k norms, MoE routing,
+the embedding's norm and positions, biases, activations) are compiled in only where some task uses
+them (`Features`): each is a runtime branch read from the descriptors otherwise, paid by every model
+in registers, instructions and descriptor round trips. The source is a real `.py` file because
+Triton reads kernels with `inspect`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -139,6 +144,66 @@ class GemvBody:
                      * (2 if self.gated else 1) / 1024, 1)
 
 
+@dataclass(frozen=True)
+class Features:
+    """The optional code paths some task of the programs (every tiling, both modes) needs, read off
+    their descriptors: the template compiles each one in only when it is set, so a model without it
+    carries none of its loads, math or registers. Field by field, what sets it (program.py's
+    descriptor fields, tasks.py):"""
+
+    window: bool = False  # attention word 20 > 0: a sliding window
+    attn_softcap: bool = False  # attention float 1 > 0: the scores' soft-cap (Gemma 2)
+    alibi: bool = False  # attention float 2 != 0: an ALiBi slope (BLOOM, MPT)
+    qk_norm: bool = False  # attention words 21/22, cache_append word 21 >= 0: q/k norm gains (Qwen3, OLMo 2)
+    qk_norm_whole: bool = False  # their word 23 != 0: a q/k norm over the whole projection row (OLMo 2)
+    moe_route: bool = False  # linear word 21 != 0: a routed MoE expert (Mixtral, Qwen3-MoE)
+    lm_softcap: bool = False  # linear float 1 > 0: the LM head's soft-cap (Gemma 2)
+    bias: bool = False  # linear word 6 >= 0: a Linear bias
+    activations: tuple[int, ...] = ()  # linear word 13: the activation codes used (0 none is free)
+    embed_norm: bool = False  # embed word 5 != 0: a norm of the embedding rows (BLOOM)
+    embed_pos: bool = False  # embed word 4 >= 0: a learned position table (GPT-2)
+    mlp_split_k: bool = False  # linear word 22 > 0 (a fused MLP down) or 23 != 0 (its accumulator's init)
+
+    @classmethod
+    def of(cls, programs: Sequence[Program]) -> Features:
+        f: dict[str, Any] = {}
+        acts: set[int] = set()
+
+        def on(name: str, cond: Any) -> None:
+            if bool(cond):
+                f[name] = True
+
+        for p in programs:
+            di_all, df_all = p.desc_int, p.desc_float
+            for tasks in p.tables.values():
+                for t in tasks:
+                    di, df = di_all[t.desc], df_all[t.desc]
+                    if t.op == fmt.OP_ATTENTION:
+                        on("window", di[20] > 0)
+                        on("attn_softcap", df[1] > 0)
+                        on("alibi", df[2] != 0)
+                        on("qk_norm", di[21] >= 0 or di[22] >= 0)
+                        on("qk_norm_whole", di[23] != 0)
+                    elif t.op == fmt.OP_CACHE_APPEND:
+                        on("qk_norm", di[21] >= 0)
+                        on("qk_norm_whole", di[23] != 0)
+                    elif t.op == fmt.OP_LINEAR:
+                        on("moe_route", di[21] != 0)
+                        on("mlp_split_k", di[22] > 0 or di[23] != 0)
+                        on("lm_softcap", df[1] > 0)
+                        on("bias", di[6] >= 0)
+                        acts.add(int(di[13]))
+                    elif t.op == fmt.OP_EMBED:
+                        on("embed_norm", di[5] != 0)
+                        on("embed_pos", di[4] >= 0)
+        return cls(**f, activations=tuple(sorted(acts - {0})))
+
+    def used(self) -> list[str]:
+        """The features set, by name (the manifest's `kernel.features`)."""
+        names = {v: k for k, v in pg.ACTIVATIONS.items()}
+        return [k for k, v in vars(self).items() if v is True] + [names.get(a, str(a)) for a in self.activations]
+
+
 def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
     """K split greedily into power-of-two chunks of at most `max_chunk` columns (576 = 256 + 256 +
     64); None when a piece would be under 32 columns (the masked generic body does those)."""
@@ -238,4 +303,5 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
         op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""))
                   for k in kinds],
         gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
-                         prefetch_bytes))
+                         prefetch_bytes),
+        f=Features.of(progs))
