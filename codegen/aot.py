@@ -435,6 +435,14 @@ def _child_main(workdir: str) -> None:
     (work / "result.json").write_text(json.dumps(result))
 
 
+# `.maxnreg 255` in the PTX: one program per SM may take every register it needs. Without it ptxas
+# may aim at two programs per SM (128 registers at 256 threads) when a kernel needs a little more,
+# and spill to get there: the tiny Llama's sm_86 decode kernel, once the features it does not use
+# were compiled out (emit.Features), took 128 registers and 68 bytes of spill stores; with the
+# directive, 168 and none. A persistent kernel launches one program per SM: the second would idle.
+MAX_REGISTERS = 255
+
+
 def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     assert "TRITON_INTERPRET" not in os.environ
     path, fn_name = Path(req["kernel_path"]), req["fn_name"]
@@ -474,7 +482,7 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
             with contextlib.redirect_stdout(log):  # ptxas -v log (TRITON_DUMP_PTXAS_LOG) and failure dumps
                 ck = triton.compile(
                     ASTSource(fn, full, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", cc, 32),
-                    options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]},
+                    options={"num_warps": req["num_warps"], "num_stages": req["num_stages"], "maxnreg": MAX_REGISTERS},
                 )
         except CompilationError as e:
             raise AotError(f"Triton could not compile '{fn_name}' ({path.name}) for {arch}: "

@@ -4,7 +4,11 @@ The dispatch chain holds only the op kinds the program uses, so a model without 
 CPU target) does not carry the combine body's registers. Every model dimension is known here, so
 the matrix-vector product (a decode step's whole weight stream) gets one body per row length K
 the model has (`GemvBody`): unrolled, unmasked along K, with a chosen number of weight chunks in
-flight. The source is a real `.py` file because Triton reads kernels with `inspect`.
+flight. The model's optional code paths (sliding window, soft-caps, ALiBi, q/k norms, MoE routing,
+the embedding's norm and positions, biases, activations) are compiled in only where some task uses
+them (`Features`): each is a runtime branch read from the descriptors otherwise, paid by every model
+in registers, instructions and descriptor round trips. The source is a real `.py` file because
+Triton reads kernels with `inspect`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -58,6 +63,9 @@ MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
 # 56 KB in flight so, 32 KB in 128-column chunks: the latency model priced that 12 us slower on h200).
 GATED_MAX_CHUNK = 128
 GATED_SPLIT_K = 1024
+# A fused MLP down (split-K) streams Wd[:, n0:n1] in chunks of at most this many rows ([rows,
+# BLOCK_N] tiles: 8 KB of bf16 at BLOCK_N 32), continuing the gate/up weight stream.
+DOWN_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -101,11 +109,30 @@ class GemvBody:
     block_n: int
     item: int  # bytes per weight
     head_d: int = 0  # norm 3 (merged from split-KV partials): the attention's head size, a literal in the body
+    down: int = 0  # a fused MLP down's rows (its output columns; 0: none)
+    down_ld: int = 0  # its matrix's row length (the gate/up's N), a literal in the body
+    down_chunks: tuple[Chunk, ...] = ()
+    # the prologue, then per stream position (the gate/up chunks, then the down chunks): the down
+    # chunks requested there, keeping ~prefetch_bytes in flight once the gate/up stream ends
+    down_issue: tuple[tuple[int, ...], ...] = ()
 
     @property
     def name(self) -> str:
         return (f"_gemv_k{self.k}" + ("", "_rms", "_ln", "_merged")[self.norm] + ("b" if self.ln_bias else "")
-                + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else ""))
+                + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else "")
+                + (f"_down{self.down}x{self.down_ld}" if self.down else ""))
+
+    @property
+    def down_sizes(self) -> str:
+        return " + ".join(str(c.size) for c in self.down_chunks)
+
+    @property
+    def down_depth(self) -> int:
+        return max((len(x) for x in self.down_issue[:len(self.chunks) + 1]), default=0)
+
+    @property
+    def down_distinct_sizes(self) -> list[int]:
+        return sorted({c.size for c in self.down_chunks})
 
     @property
     def sizes(self) -> str:
@@ -119,6 +146,66 @@ class GemvBody:
     def inflight_kb(self) -> float:
         return round(sum(c.size for c in self.chunks[:self.depth]) * self.block_n * self.item
                      * (2 if self.gated else 1) / 1024, 1)
+
+
+@dataclass(frozen=True)
+class Features:
+    """The optional code paths some task of the programs (every tiling, both modes) needs, read off
+    their descriptors: the template compiles each one in only when it is set, so a model without it
+    carries none of its loads, math or registers. Field by field, what sets it (program.py's
+    descriptor fields, tasks.py):"""
+
+    window: bool = False  # attention word 20 > 0: a sliding window
+    attn_softcap: bool = False  # attention float 1 > 0: the scores' soft-cap (Gemma 2)
+    alibi: bool = False  # attention float 2 != 0: an ALiBi slope (BLOOM, MPT)
+    qk_norm: bool = False  # attention words 21/22, cache_append word 21 >= 0: q/k norm gains (Qwen3, OLMo 2)
+    qk_norm_whole: bool = False  # their word 23 != 0: a q/k norm over the whole projection row (OLMo 2)
+    moe_route: bool = False  # linear word 21 != 0: a routed MoE expert (Mixtral, Qwen3-MoE)
+    lm_softcap: bool = False  # linear float 1 > 0: the LM head's soft-cap (Gemma 2)
+    bias: bool = False  # linear word 6 >= 0: a Linear bias
+    activations: tuple[int, ...] = ()  # linear word 13: the activation codes used (0 none is free)
+    embed_norm: bool = False  # embed word 5 != 0: a norm of the embedding rows (BLOOM)
+    embed_pos: bool = False  # embed word 4 >= 0: a learned position table (GPT-2)
+    mlp_split_k: bool = False  # linear word 22 > 0 (a fused MLP down) or 23 != 0 (its accumulator's init)
+
+    @classmethod
+    def of(cls, programs: Sequence[Program]) -> Features:
+        f: dict[str, Any] = {}
+        acts: set[int] = set()
+
+        def on(name: str, cond: Any) -> None:
+            if bool(cond):
+                f[name] = True
+
+        for p in programs:
+            di_all, df_all = p.desc_int, p.desc_float
+            for tasks in p.tables.values():
+                for t in tasks:
+                    di, df = di_all[t.desc], df_all[t.desc]
+                    if t.op == fmt.OP_ATTENTION:
+                        on("window", di[20] > 0)
+                        on("attn_softcap", df[1] > 0)
+                        on("alibi", df[2] != 0)
+                        on("qk_norm", di[21] >= 0 or di[22] >= 0)
+                        on("qk_norm_whole", di[23] != 0)
+                    elif t.op == fmt.OP_CACHE_APPEND:
+                        on("qk_norm", di[21] >= 0)
+                        on("qk_norm_whole", di[23] != 0)
+                    elif t.op == fmt.OP_LINEAR:
+                        on("moe_route", di[21] != 0)
+                        on("mlp_split_k", di[22] > 0 or di[23] != 0)
+                        on("lm_softcap", df[1] > 0)
+                        on("bias", di[6] >= 0)
+                        acts.add(int(di[13]))
+                    elif t.op == fmt.OP_EMBED:
+                        on("embed_norm", di[5] != 0)
+                        on("embed_pos", di[4] >= 0)
+        return cls(**f, activations=tuple(sorted(acts - {0})))
+
+    def used(self) -> list[str]:
+        """The features set, by name (the manifest's `kernel.features`)."""
+        names = {v: k for k, v in pg.ACTIVATIONS.items()}
+        return [k for k, v in vars(self).items() if v is True] + [names.get(a, str(a)) for a in self.activations]
 
 
 def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
@@ -149,10 +236,11 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 if t.op == fmt.OP_LINEAR:
                     di = p.desc_int[t.desc]
                     norm = int(di[10])
+                    down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
                     shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
-                                int(di[12]) if norm == pg.NORM_COMBINE else 0))
+                                int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
     out = []
-    for k, norm, ln_bias, gated, head_d in sorted(shapes):
+    for k, norm, ln_bias, gated, head_d, down, down_ld in sorted(shapes):
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
@@ -160,8 +248,38 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         while depth < len(chunks) and got < prefetch_bytes:
             got += chunks[depth].size * block_n * item * (2 if gated else 1)
             depth += 1
-        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d))
+        d_chunks = chunk_plan(down, min(max_chunk, DOWN_MAX_ROWS)) if down else ()
+        if d_chunks is None:
+            continue  # rows that do not split into chunks: the generic body
+        issue = _down_issue([c.size * block_n * item * (2 if gated else 1) for c in chunks], depth,
+                            [c.size * block_n * item for c in d_chunks], prefetch_bytes)
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
+                            d_chunks, issue))
     return out
+
+
+def _down_issue(up: list[int], depth: int, down: list[int], prefetch_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Where a fused down's chunks are requested: entry 0 is the prologue (before the wait), entry
+    1 + p stream position p (the gate/up chunks, then the down chunks), before p's arithmetic. The
+    down chunks continue the gate/up stream: none before it has requested its last chunk (the
+    gate/up chunks keep their fixed depth), then the next ones while less than `prefetch_bytes`
+    of requested weights are not yet consumed (in the prologue, too, when the whole gate/up slice
+    is requested there: the down matrix never depends on the step either)."""
+    if not down:
+        return ()
+    sizes = up + down
+    issued = min(depth, len(up))  # stream items requested so far
+    out: list[tuple[int, ...]] = []
+    for p in range(-1, len(sizes)):
+        if 0 <= p and p + depth < len(up):
+            issued = max(issued, p + depth + 1)
+        now: list[int] = []
+        if issued >= len(up):
+            while issued < len(sizes) and (issued <= p or sum(sizes[p + 1:issued]) < prefetch_bytes):
+                now.append(issued - len(up))
+                issued += 1
+        out.append(tuple(now))
+    return tuple(out)
 
 
 def signature(weight_dtype: str) -> dict[str, str]:
@@ -190,4 +308,5 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
-                         prefetch_bytes))
+                         prefetch_bytes),
+        f=Features.of(progs))

@@ -66,11 +66,13 @@ class PathFacts:
         return d
 
 
-def task_path(code: KernelCode, ev: Evaluator, op: int, n_waits: int, kv: bool = False, limit: int = 96) -> PathFacts:
+def task_path(code: KernelCode, ev: Evaluator, op: int, n_waits: int, kv: bool = False, limit: int = 1024) -> PathFacts:
     """The path of the evaluator's task (op code `op`, `n_waits` waits; `kv`: it reads the KV
     cache, and the loop on its path that moves the most bytes is that stream). Loops that load
     weights are the stream too. Among paths the branches leave open, the one with the most weight
-    loads, then loops, then instructions (the slowest)."""
+    loads, then loops, then instructions (the slowest). `limit` caps the paths walked: SmolLM2's
+    sm_90 decode kernel with the MLP split-K bodies leaves 105 open for a q projection task, and
+    the cap of 96 it had cut the walk before it reached the body (the task then looked unpriced)."""
     body = _body_for(code, ev, op)
     best: tuple[tuple[int, int, int], list[tuple[str, int]]] | None = None
     decisions: set[int] = set()

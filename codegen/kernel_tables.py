@@ -4,7 +4,8 @@ task reads from DRAM.
 
 Bytes come from the tables and the manifest's weight placement, never from the kernel source, so
 a change of the op bodies cannot silently turn them to 0: a Linear task reads rows [a, b) x K of
-its descriptor's W matrices (DI field 4, and field 5 when >= 0; K is field 2), the embedding T rows
+its descriptor's W matrices (DI field 4, and field 5 when >= 0; K is field 2), and with a fused MLP
+down (field 22 > 0: its rows) columns [a, b) of that [rows, N] matrix (field 16), the embedding T rows
 of its table (field 3, H = field 2; learned positions field 4 when >= 0); every offset must be a
 placed W weight of that row length, else the table and the manifest disagree (an error). The P
 arena's norm gains, biases and rotary rows are counted once per step (the tasks of one Linear share
@@ -116,6 +117,17 @@ class Tables:
                 raise KernelStatsError(f"{where}: reads rows [{lo}, {hi}) x {k} of '{p['value']}' {shape}")
             return (hi - lo) * k * w_item
 
+        def columns(off: int, rows: int, k: int, lo: int, hi: int, where: str) -> int:
+            """Bytes of columns [lo, hi) of the [rows, k] W matrix placed at `off` (checked)."""
+            p = place.get(off)
+            if p is None:
+                raise KernelStatsError(f"{where}: W offset {off} is no placed weight (the tables and the manifest's "
+                                       "weight placement disagree)")
+            shape = [int(x) for x in p["shape"]]
+            if shape != [rows, k] or not 0 <= lo <= hi <= k:
+                raise KernelStatsError(f"{where}: reads columns [{lo}, {hi}) x {rows} of '{p['value']}' {shape}")
+            return rows * (hi - lo) * w_item
+
         for i, r in enumerate(self.rows(mode)):
             d = di[r["desc"]]
             where = f"{self.tiling} {OP_NAMES[r['op']] if r['op'] < len(OP_NAMES) else r['op']} task {i}"
@@ -131,6 +143,10 @@ class Tables:
                         p_ranges.append((int(d[12]), int(d[12]) + kk))
                 if int(d[6]) >= 0:
                     p_ranges.append((int(d[6]) + lo, int(d[6]) + hi))
+                if int(d[21]) == 0 and int(d[22]) > 0:  # a fused MLP down (split-K): Wd[:, lo:hi], field 16
+                    w += columns(int(d[16]), int(d[22]), int(d[3]), lo, hi, where)
+                    if int(d[18]) >= 0:  # its bias
+                        p_ranges.append((int(d[18]), int(d[18]) + int(d[22])))
             elif r["op"] == OP_EMBED:
                 h = int(d[2])
                 w = matrix(int(d[3]), 0, 1, h, where) * rows_t  # one row per token (which: the step's data)

@@ -87,6 +87,9 @@ def compiler_version(cc: str) -> str:
 
 def render(p: Program, *, weight_dtype: str, version: str) -> str:
     """The C source for program `p` (any tiling of the model; the native one in bundles)."""
+    if p.tiling.fuse_mlp_down:  # the native tiling keeps it off; no C body adds partials atomically
+        raise NativeBuildError("the native C kernel does not run the MLP split-K fusion (Tiling.fuse_mlp_down, "
+                               "a GPU tiling's): schedule it with the native tiling")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}

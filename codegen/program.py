@@ -38,6 +38,10 @@ class Region:
     hi: int
     row_lo: int = 0  # rows [row_lo, row_hi) of the step (prefill attention tiles rows too)
     row_hi: int = 1 << 30
+    # An accumulating write (float atomics adding a partial sum: the MLP split-K's down partials).
+    # Accumulating writes to one region commute with each other, so they need no order among
+    # themselves; they come after the region's plain (initializing) write and before its readers.
+    accumulate: bool = False
 
     def overlaps(self, other: Region) -> bool:
         return (self.buffer == other.buffer and self.lo < other.hi and other.lo < self.hi
@@ -97,6 +101,10 @@ class Tiling:
     # Fusions that remove dependency levels (the GPU tiling's; docs/megakernel.md, "Fusion"):
     fuse_kv_append: bool = False  # attention reads the step's k/v from the projections; no append op
     fuse_combine: bool = False  # split-KV partials merged where the output projection loads its row
+    # decode: the MLP's down projection runs in its gate/up (or up) tasks, split-K over their
+    # columns, adding partials into the MLP output with float atomics; the residual's producer
+    # initializes that accumulator (docs/megakernel.md, "MLP split-K")
+    fuse_mlp_down: bool = False
 
     def constexprs(self) -> dict[str, int | str]:
         return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "BLOCK_KD": self.block_kd, "BLOCK_T": self.block_t,

@@ -55,7 +55,7 @@ def tiling_for(target: Any, max_seq: int, *, native: bool = False) -> Tiling:
         splits *= 2
     return Tiling(block_n=32, block_k=64, block_kd=32, block_t=16, block_kv=32, block_e=256, max_linear_tasks=0,
                   kv_splits=splits, chunk=min(128, max_seq), num_warps=8, grid=target.sms,
-                  dot_precision="tf32x3", fuse_kv_append=True, fuse_combine=True)
+                  dot_precision="tf32x3", fuse_kv_append=True, fuse_combine=True, fuse_mlp_down=True)
 
 
 # ---- events ------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def _assign_events(ops: list[Op], mode: str, events: _Events) -> list[Task]:
     _assign_pass(ops, mode, scratch, None)
     tasks = [t for op in ops for t in op.tasks[mode]]
     writers = _writers(tasks)
-    kept = {id(t): {r for r in t.reads if _read_waited(t, r, writers)} for t in tasks}
+    kept = {id(t): {r for r in _deps(t) if _read_waited(t, r, writers)} for t in tasks}
     for t in tasks:
         t.waits, t.signal, t.signal_target, t.parent = [], -1, 0, -1
     return _assign_pass(ops, mode, events, kept)
@@ -93,11 +93,22 @@ def _writers(tasks: list[Task]) -> dict[str, list[Task]]:
     return out
 
 
+def _deps(t: Task) -> list[Region]:
+    """What t must come after: the regions it reads, and those it accumulates into (an
+    accumulating write follows the region's initializing write; accumulators commute)."""
+    return t.reads + [r for r in t.writes if r.accumulate]
+
+
+def _producers(t: Task, r: Region, writers: dict[str, list[Task]]) -> list[Task]:
+    """The tasks (not t) whose writes overlap r; for an accumulating write r, the plain writers only."""
+    return [w for w in writers.get(r.buffer, []) if w is not t
+            and any(r.overlaps(x) and not (r.accumulate and x.accumulate) for x in w.writes)]
+
+
 def _read_waited(t: Task, r: Region, writers: dict[str, list[Task]]) -> bool:
-    """Whether, after pruning, one of t's waits is on an event a writer of r signals."""
+    """Whether, after pruning, one of t's waits is on an event a producer of r signals."""
     waited = {e for e, _ in t.waits}
-    return any(w is not t and any(r.overlaps(x) for x in w.writes) and (w.signal in waited or w.parent in waited)
-               for w in writers.get(r.buffer, []))
+    return any(w.signal in waited or w.parent in waited for w in _producers(t, r, writers))
 
 
 def _assign_pass(ops: list[Op], mode: str, events: _Events,
@@ -113,15 +124,16 @@ def _assign_pass(ops: list[Op], mode: str, events: _Events,
     wanted: dict[int, set[frozenset[int]]] = {}
     for t in tasks:
         tn = []
-        for r in t.reads:
+        for r in _deps(t):
             if kept is not None and r not in kept[id(t)]:
                 continue
-            ws = frozenset(id(w) for w in writers.get(r.buffer, []) if w is not t and any(r.overlaps(x) for x in w.writes))
-            if not ws:
-                continue
-            oi = owner[next(iter(ws))]
-            tn.append((oi, ws))
-            wanted.setdefault(oi, set()).add(ws)
+            by_op: dict[int, set[int]] = {}  # a region may have writers in several ops (an accumulator's init)
+            for w in _producers(t, r, writers):
+                by_op.setdefault(owner[id(w)], set()).add(id(w))
+            for oi, ids in by_op.items():
+                ws = frozenset(ids)
+                tn.append((oi, ws))
+                wanted.setdefault(oi, set()).add(ws)
         needs.append(tn)
     # per producing op: groups (partition of its tasks) and whether an op-wide event is needed
     group_of: dict[int, int] = {}  # task id -> group event

@@ -155,6 +155,7 @@ class TaskBuilder:
         self.logits = ""
         self.n_layers = 0
         self.route_buf: dict[int, str] = {}  # a MoE router's logits: A offset -> buffer
+        self.linear_ops: dict[str, Op] = {}  # a Linear's output buffer -> its op (fuse_mlp_down)
 
     # -- arenas
     @property
@@ -279,12 +280,48 @@ class TaskBuilder:
                                       reads=reads, writes=writes, label=f"{label}[{lo}:{hi}]"))
             return out_tasks
 
-        self.add_op(label, {"prefill": tasks_for("prefill"), "decode": tasks_for("decode")})
+        self.linear_ops[out.name] = self.add_op(label, {"prefill": tasks_for("prefill"), "decode": tasks_for("decode")})
         if lm:
             assert partials is not None
             self.lm_partials = partials
             self.lm_slots = len(ranges)
         return out
+
+    def _redesc(self, op: Op, fields: dict[int, int], suffix: str) -> None:
+        """Gives op's decode tasks their own descriptors: copies of theirs with `fields` set."""
+        lay, made = self.layout, {}
+        for t in op.tasks["decode"]:
+            if t.desc not in made:
+                ints = dict(enumerate(lay.di[t.desc]))
+                made[t.desc] = lay.desc(lay.desc_labels[t.desc] + suffix, {**ints, **fields},
+                                        dict(enumerate(lay.df[t.desc])))
+            t.desc = made[t.desc]
+
+    def fuse_down(self, h: Buf, out: Buf, res: Buf | None, wd: Value, bias: Value | None, node: Node) -> None:
+        """MLP split-K (Tiling.fuse_mlp_down, decode only): the tasks computing h's columns [lo, hi)
+        also multiply them by the down matrix's columns Wd[:, lo:hi] and add the partial product
+        into the MLP output `out` with float atomics (linear descriptor fields 16 Wd's W offset,
+        17 out's A offset, 18 the down bias's P offset or -1, added by the task holding column 0,
+        22 out's columns: 0 when nothing is fused). The accumulator starts as the residual: the
+        Linear that produces the residual also stores its decode output into `out` (fields 19 its
+        A offset, 23 = 1), so there is no zeroing pass and no extra level. The down op keeps its
+        prefill tasks and loses its decode ones. Left unfused (the down keeps its decode tasks):
+        no residual, a residual no Linear produces (an embedding, a post-norm), one whose
+        producer already feeds another accumulator."""
+        prod, up, down = self.linear_ops.get(res.name) if res else None, self.linear_ops[h.name], self.linear_ops[out.name]
+        lay = self.layout
+        if (res is None or prod is None or not prod.tasks["decode"] or not up.tasks["decode"]
+                or any(lay.di[t.desc][23] or lay.di[t.desc][21] for t in prod.tasks["decode"] + up.tasks["decode"])
+                or any(len(t.writes) != 1 for t in prod.tasks["decode"])):
+            return
+        self._redesc(prod, {19: self.buffers[out.name].offset, 23: 1}, ".init")
+        for t in prod.tasks["decode"]:
+            t.writes.append(Region(out.name, t.writes[0].lo, t.writes[0].hi))
+        self._redesc(up, {16: self.w(wd, node), 17: self.buffers[out.name].offset, 18: self.p(bias, node),
+                          22: out.cols}, ".down")
+        for t in up.tasks["decode"]:
+            t.writes.append(Region(out.name, 0, out.cols, accumulate=True))
+        down.tasks["decode"] = []
 
     def residual_target(self, out: Value) -> tuple[Buf | None, Value]:
         """(residual buffer, value the fused op defines): fuses `Add(x, this)` into the epilogue."""
@@ -463,8 +500,10 @@ class TaskBuilder:
         h = self.linear_op(n, f"{n.name}.gate_up", x, wg, inter, w2=wu,
                            act=str(n.attrs.get("activation", "silu")))
         res, defines = self.residual_target(n.output)
-        self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
-                                                 residual=res)
+        out = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]), residual=res)  # type: ignore[index, arg-type]
+        if self.t.fuse_mlp_down:
+            self.fuse_down(h, out, res, wd, None, n)
+        self.views[id(defines)] = out
 
     def op_MoE(self, n: Node) -> None:
         """The router as a Linear into logits [T, E], then per expert e a gate/up Linear and a down
@@ -503,8 +542,11 @@ class TaskBuilder:
         h = self.linear_op(n, f"{n.name}.up", x, wu, int(wu.shape[0]), bias=n.input(2),  # type: ignore[index, arg-type]
                            act=str(n.attrs.get("activation", "gelu")))
         res, defines = self.residual_target(n.output)
-        self.views[id(defines)] = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
-                                                 bias=n.input(4), residual=res)
+        out = self.linear_op(n, f"{n.name}.down", h, wd, int(wd.shape[0]),  # type: ignore[index, arg-type]
+                             bias=n.input(4), residual=res)
+        if self.t.fuse_mlp_down:
+            self.fuse_down(h, out, res, wd, n.input(4), n)
+        self.views[id(defines)] = out
 
     def op_SplitHeads(self, n: Node) -> None:
         x = self.view(n.inputs[0], n)

@@ -8,7 +8,9 @@ guard: it proves from the table alone (waits, signals, declared reads and writes
 - every event's target equals the number of signals it will receive (polls wait for equality);
 - every read is covered: each task writing what a task reads has certainly finished before it
   starts, through its waits, transitively;
-- no two tasks write overlapping regions unordered (write-write race).
+- no two tasks write overlapping regions unordered (write-write race), except accumulating writes
+  (float atomics adding partials), which commute with each other but must follow the region's
+  initializing (plain) write; its readers must wait for every accumulator like for any writer.
 """
 
 from __future__ import annotations
@@ -70,7 +72,15 @@ def validate_tasks(tasks: list[Task], mode: str = "") -> None:
             for rb, b in regs[k + 1:]:
                 if rb.lo >= ra.hi:
                     break
-                if a != b and ra.overlaps(rb) and not ((hb[a] >> b) & 1 or (hb[b] >> a) & 1):
+                if a == b or not ra.overlaps(rb) or (ra.accumulate and rb.accumulate):
+                    continue  # accumulating writes (float atomics) commute with each other
+                if ra.accumulate or rb.accumulate:  # the initializing write must come first
+                    (init, ri), (acc, _) = ((b, rb), (a, ra)) if ra.accumulate else ((a, ra), (b, rb))
+                    if not (hb[acc] >> init) & 1:
+                        raise TableError(f"{where}: task {acc} ({tasks[acc].label}) accumulates into {buf}"
+                                         f"[{ri.lo}:{ri.hi}] without a dependency on its initializing write by "
+                                         f"task {init} ({tasks[init].label})")
+                elif not ((hb[a] >> b) & 1 or (hb[b] >> a) & 1):
                     raise TableError(f"{where}: tasks {a} ({tasks[a].label}) and {b} ({tasks[b].label}) "
                                      f"both write {buf} unordered (write-write race)")
 

@@ -65,6 +65,7 @@ class Build:
     programs: dict[str, Any] = field(default_factory=dict)  # tiling -> codegen Program
     tilings: dict[str, Any] = field(default_factory=dict)  # tiling -> manifest entry
     kernel_source: str = ""
+    kernel_features: list[str] = field(default_factory=list)  # the optional code paths kernel.py compiles in
     target_info: dict[str, Any] = field(default_factory=dict)
     tokenizer_info: dict[str, Any] | None = None
     xdp: Any = None
@@ -138,10 +139,11 @@ def _schedule(b: Build) -> None:
 
 
 def _emit(b: Build) -> None:
-    from zlc.codegen.emit import render
+    from zlc.codegen.emit import Features, render
 
     b.report("emit", "kernel.py")
     sizing = b.programs.get("gpu", b.programs["cpu"]).tiling.block_n  # the matrix-vector bodies fit the GPUs
+    b.kernel_features = Features.of(list(b.programs.values())).used()
     b.kernel_source = render(list(b.programs.values()), weight_dtype=b.wdtype, version=__version__,
                              gemv_block_n=sizing)
     (b.tmp / "kernel.py").write_text(b.kernel_source)
@@ -305,7 +307,8 @@ def _manifest(b: Build) -> None:
                   "ops": b.lowered.histogram_after},
         "dtype": {"weights": b.wdtype, "activations": "fp32", "kv_cache": "fp32", "accumulation": "fp32"},
         "kernel": {"source": "kernel.py", "entry": ENTRY, "signature": signature(b.wdtype),
-                   "params": list(signature(b.wdtype)), "debug_waits": b.debug_waits},
+                   "params": list(signature(b.wdtype)), "debug_waits": b.debug_waits,
+                   "features": b.kernel_features},
         "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
                     "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
         "tilings": b.tilings, "targets": b.target_info, "native": b.native, "verification": b.verification,

@@ -1,0 +1,165 @@
+"""The kernel compiles in only the optional code paths its model uses (emit.Features): which features
+the descriptors of a program set, and that the rendered source holds each feature's code exactly
+when it is set. That the kernels WITH the features still compute the reference's numbers is the
+family tests' (tests/test_family_windows.py, test_family_norms.py, test_family_alibi_falcon.py,
+test_family_moe.py, tests/codegen/test_megakernel_windows.py, test_megakernel_norms.py) and a plain
+model's tests/codegen/test_megakernel.py: they run these same rendered kernels in the interpreter."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from zlc import bundle as fmt
+from zlc.codegen import program as pg
+from zlc.codegen.emit import Features, render
+
+# Code that exists only for one feature: a model without it must not contain any of it.
+MARKERS: dict[str, list[str]] = {
+    "window": ["window = tl.load(di + 20)", "if window > 0"],
+    "attn_softcap": ["softcap = tl.load(DF + d * DESC_FLOATS + 1)", "tl.sigmoid(2.0 * s / softcap)"],
+    "alibi": ["alibi = tl.load(DF + d * DESC_FLOATS + 2)", "alibi * js", "alibi * past"],
+    "qk_norm": ["def _qk_rstd(", "tl.load(DI + d * DESC_WORDS + 21 + which)", "rstd[:, None] * tl.load(P + nw + gofs"],
+    "qk_norm_whole": ["tl.load(DI + d * DESC_WORDS + 23)", "if whole != 0"],
+    "moe_route": ["def _route_weight(", "route = tl.load(di + 21)", "_route_weight(A, di"],
+    "lm_softcap": [" cap = tl.load(DF + d * DESC_FLOATS + 1)", "tl.sigmoid(2.0 * y / cap)"],
+    "bias": ["tl.load(P + b_off + cols"],
+    "embed_norm": ["norm = tl.load(di + 5)", "if norm != 0"],
+    "embed_pos": ["pos_tab = tl.load(di + 4)", "if pos_tab >= 0"],
+    "mlp_split_k": ["def _down_add(", "if copy != 0", "down = tl.load(di + 22)"],
+}
+ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
+FLAGS = [f.name for f in fields(Features) if f.name != "activations"]
+
+
+def _program(*descs: tuple[int, dict[int, int], dict[int, float]]) -> SimpleNamespace:
+    """A program whose decode table has one task per (op, int fields, float fields): the fields a
+    scheduler would set, the rest as pack.py leaves them (0), plus a plain Llama's -1 "none"s."""
+    plain = {fmt.OP_ATTENTION: {21: -1, 22: -1}, fmt.OP_CACHE_APPEND: {21: -1}, fmt.OP_LINEAR: {6: -1, 5: -1},
+             fmt.OP_EMBED: {4: -1}}
+    di = np.zeros((len(descs), fmt.DESC_WORDS), np.int64)
+    df = np.zeros((len(descs), fmt.DESC_FLOATS), np.float32)
+    tasks = []
+    for i, (op, ints, floats) in enumerate(descs):
+        for k, v in {**plain.get(op, {}), **ints}.items():
+            di[i, k] = v
+        for k, fv in floats.items():
+            df[i, k] = fv
+        tasks.append(SimpleNamespace(op=op, desc=i))
+    return SimpleNamespace(model="synthetic", tables={"prefill": [], "decode": tasks}, desc_int=di, desc_float=df,
+                           tiling=SimpleNamespace(block_n=16))
+
+
+PLAIN = [(fmt.OP_EMBED, {}, {0: 1.0}), (fmt.OP_ATTENTION, {}, {0: 0.25}), (fmt.OP_CACHE_APPEND, {}, {}),
+         (fmt.OP_LINEAR, {2: 64, 10: pg.NORM_RMS}, {0: 1e-5}),
+         (fmt.OP_LINEAR, {2: 64, 5: 4096, 10: pg.NORM_RMS, 13: 1}, {0: 1e-5})]
+
+# One task that turns each feature on (its descriptor fields as tasks.py writes them).
+ONE: dict[str, tuple[int, dict[int, int], dict[int, float]]] = {
+    "window": (fmt.OP_ATTENTION, {20: 4}, {}),
+    "attn_softcap": (fmt.OP_ATTENTION, {}, {1: 50.0}),
+    "alibi": (fmt.OP_ATTENTION, {}, {2: -0.25}),
+    "qk_norm": (fmt.OP_CACHE_APPEND, {21: 128}, {3: 1e-6}),
+    "qk_norm_whole": (fmt.OP_ATTENTION, {21: 128, 22: 192, 23: 3}, {3: 1e-6}),
+    "moe_route": (fmt.OP_LINEAR, {2: 64, 16: 0, 17: 4, 18: 2, 19: 1, 21: 2}, {}),
+    "lm_softcap": (fmt.OP_LINEAR, {2: 64, 14: 1}, {1: 30.0}),
+    "bias": (fmt.OP_LINEAR, {2: 64, 6: 256}, {}),
+    "embed_norm": (fmt.OP_EMBED, {5: pg.NORM_LAYER, 6: 0, 7: 64}, {0: 1.0, 1: 1e-5}),
+    "embed_pos": (fmt.OP_EMBED, {4: 4096}, {0: 1.0}),
+    "mlp_split_k": (fmt.OP_LINEAR, {2: 64, 3: 128, 5: 4096, 10: pg.NORM_RMS, 13: 1, 16: 8192, 17: 512, 18: -1, 22: 64},
+                    {}),
+}
+IMPLIES = {"qk_norm_whole": {"qk_norm"}}  # a whole-row q/k norm is a q/k norm
+
+
+def _source(p: Any) -> str:
+    return render([p], weight_dtype="fp32", version="test", gemv_block_n=16)
+
+
+def _check_source(src: str, f: Features) -> None:
+    compile(src, "kernel.py", "exec")  # valid Python whatever the combination
+    for name, marks in MARKERS.items():
+        on = getattr(f, name)
+        for m in marks:
+            assert (m in src) == on, f"{name} {'on' if on else 'off'}: {m!r} {'missing' if on else 'present'}"
+    for code, m in ACT_MARKERS.items():
+        assert (m in src) == (code in f.activations), (code, m)
+
+
+def test_a_plain_model_compiles_none_of_the_features() -> None:
+    f = Features.of([_program(*PLAIN)])
+    assert f == Features(activations=(1,)) and f.used() == ["silu"]
+    _check_source(_source(_program(*PLAIN)), f)
+
+
+@pytest.mark.parametrize("feature", sorted(ONE))
+def test_each_feature_is_compiled_in_where_a_task_uses_it(feature: str) -> None:
+    p = _program(*PLAIN, ONE[feature])
+    f = Features.of([p])
+    assert {n for n in FLAGS if getattr(f, n)} == {feature} | IMPLIES.get(feature, set())
+    _check_source(_source(p), f)
+
+
+def test_features_are_the_union_over_programs_modes_and_activations() -> None:
+    a = _program(*PLAIN, ONE["window"])
+    b = _program(*PLAIN, (fmt.OP_LINEAR, {2: 64, 13: 3}, {}), (fmt.OP_LINEAR, {2: 64, 13: 4}, {}))
+    b.tables = {"prefill": b.tables["decode"], "decode": []}  # a feature only prefill uses counts too
+    f = Features.of([a, b])
+    assert f.window and f.activations == (1, 3, 4) and f.used() == ["window", "silu", "gelu_tanh", "relu"]
+    _check_source(render([a, b], weight_dtype="fp32", version="test", gemv_block_n=16), f)
+
+
+def test_every_combination_renders_valid_python() -> None:
+    every = _program(*PLAIN, *ONE.values(), (fmt.OP_LINEAR, {2: 64, 13: 2}, {}))
+    f = Features.of([every])
+    assert all(getattr(f, n) for n in FLAGS) and f.activations == (1, 2)
+    _check_source(_source(every), f)
+
+
+# Real models: the features their scheduled programs (cpu and h200 tilings, as a build renders
+# them) set, read off the descriptors -- never off the model's name.
+# (mlp_split_k: the h200 tiling fuses the MLP down, except behind a post-norm -- gemma2, olmo2 --
+# and for MoE experts -- mixtral)
+FAMILY_FEATURES = {
+    "llama": {"silu", "mlp_split_k"},
+    "mistral_win": {"window", "silu", "mlp_split_k"},
+    "gemma2": {"window", "attn_softcap", "lm_softcap", "gelu_tanh"},
+    "bloom": {"alibi", "embed_norm", "bias", "gelu_tanh", "mlp_split_k"},
+    "qwen3": {"qk_norm", "silu", "mlp_split_k"},
+    "olmo2": {"qk_norm", "qk_norm_whole", "silu"},
+    "mixtral": {"moe_route", "silu"},
+    "gpt2": {"embed_pos", "bias", "gelu_tanh", "mlp_split_k"},
+    "mpt": {"alibi", "gelu", "mlp_split_k"},
+    "qwen2": {"bias", "silu", "mlp_split_k"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILY_FEATURES))
+def test_family_features_and_source(family: str) -> None:
+    pytest.importorskip("transformers", reason="the model zoo needs the 'hf' extra")
+    import zlc
+    from zlc.codegen.schedule import schedule, tiling_for
+    from zlc.targets import get_target
+    from zlc.testing import zoo
+
+    low = zlc.lower(zoo.cached("stateless", family, 20), options=zlc.CompileOptions(max_seq=64))
+    progs = [schedule(low.decode, tiling_for(get_target(t), 64), 64) for t in ("cpu", "h200")]
+    f = Features.of(progs)
+    assert set(f.used()) == FAMILY_FEATURES[family]
+    _check_source(render(progs, weight_dtype="fp32", version="test"), f)
+
+
+@pytest.mark.slow
+def test_a_plain_bundle_records_its_features_and_has_none_of_their_code(chat_bundle: Any) -> None:
+    """A compiled plain Llama (the shared tiny chat bundle): the manifest's `kernel.features` is
+    what the kernel.py it ships was rendered with, and that source holds no feature's code."""
+    import json
+
+    man = json.loads((chat_bundle / "manifest.json").read_text())
+    assert man["kernel"]["features"] == ["silu"]
+    _check_source((chat_bundle / man["kernel"]["source"]).read_text(), Features(activations=(1,)))
