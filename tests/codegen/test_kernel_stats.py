@@ -274,11 +274,13 @@ def test_prediction_is_ordered_above_the_floor_and_explained(report: dict[str, A
     lp = params_for(target, "central")
     assert p["floor_us"]["central"] == round(p["bytes_per_step"] / (lp.hbm_gbs * 1e3), 2)
     crit = p["critical"]
-    assert crit["levels"] == crit["length"] == 11  # one task per level on the critical path
+    # one task per level on the critical path, from the first q projection on: the embed task
+    # signals before that task's poll issues (after its prefetched weights), so it binds nothing
+    assert crit["levels"] == crit["length"] == 10
     assert abs(sum(crit["us"].values()) - p["us"]["central"]) < 0.5
     assert p["unpriced_tasks"] == 0
     floor = _check(report, target, "predicted decode")
-    assert not floor["met"] and "11 levels" in floor["stopped_by"]
+    assert not floor["met"] and "10 levels" in floor["stopped_by"]
 
 
 @pytest.fixture(scope="module")
