@@ -224,21 +224,23 @@ def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
 
 def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, max_chunk: int = MAX_CHUNK,
                 prefetch_bytes: int = PREFETCH_BYTES) -> list[GemvBody]:
-    """One body per (K, norm, gate) of the programs' Linear ops whose K splits into chunks (see
+    """One body per (K, norm, gate) of the programs' decode Linear tasks whose K splits into chunks (see
     chunk_plan; the rest use the masked generic body). `block_n` is the GPU tiling's block of
     columns; `max_chunk` caps a chunk and `prefetch_bytes` the weights in flight (tests lower
     both, so tiny models unroll into many chunks prefetched a few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
     shapes = set()
     for p in programs:
-        for tasks in p.tables.values():
-            for t in tasks:
-                if t.op == fmt.OP_LINEAR:
-                    di = p.desc_int[t.desc]
-                    norm = int(di[10])
-                    down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
-                    shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
-                                int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
+        # decode's rows only: the prefill kernel takes the generic body (SPECIALIZED False), so a
+        # body only prefill's descriptors ask for (the MLP down, once fused into gate/up in decode)
+        # would be registers and instructions the decode kernel never runs
+        for t in p.tables.get("decode", []):
+            if t.op == fmt.OP_LINEAR:
+                di = p.desc_int[t.desc]
+                norm = int(di[10])
+                down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
+                shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
+                            int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
     out = []
     for k, norm, ln_bias, gated, head_d, down, down_ld in sorted(shapes):
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)

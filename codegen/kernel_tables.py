@@ -32,6 +32,7 @@ from zlc.bundle import (
     MAX_WAITS,
     MODE_DECODE,
     MODE_PREFILL,
+    OP_ARGMAX,
     OP_ATTENTION,
     OP_CACHE_APPEND,
     OP_EMBED,
@@ -253,9 +254,12 @@ def table_facts(bundle: Path, tiling: str, src: KernelSource, man: dict[str, Any
         by_level = [0] * (max(lv, default=0) + 1)
         for b, k in zip(tr.weights, lv, strict=True):
             by_level[k] += b
+        # Levels that hold only the step's ends (embedding, LM head, argmax): no transformer
+        # layer's. Per layer counts the rest, so a model's count does not fall with depth.
+        ends = {k for k in per if all(_outside_layers(tabs, r) for r, x in zip(rows, lv, strict=True) if x == k)}
         modes[mode] = {
-            "tasks": len(rows), "levels": len(counts),
-            "levels_per_layer": round(len(counts) / layers, 2) if layers else None,
+            "tasks": len(rows), "levels": len(counts), "levels_outside_layers": len(ends),
+            "levels_per_layer": round((len(counts) - len(ends)) / layers, 2) if layers else None,
             "tasks_per_level": {"min": min(counts, default=0), "median": statistics.median(counts or [0]),
                                 "max": max(counts, default=0)},
             "tasks_per_level_all": counts,
@@ -268,6 +272,11 @@ def table_facts(bundle: Path, tiling: str, src: KernelSource, man: dict[str, Any
                                              "max": max(by_level[1:], default=0)}}
         ops[mode], lvls[mode], traffic[mode] = [r["op"] for r in rows], lv, tr
     return TableFacts(tiling, modes, ops, lvls, traffic, tabs, context)
+
+
+def _outside_layers(tabs: Tables, row: dict[str, Any]) -> bool:
+    """An embedding, argmax or LM-head task (a Linear whose descriptor word 14 is set)."""
+    return row["op"] in (OP_EMBED, OP_ARGMAX) or (row["op"] == OP_LINEAR and int(tabs.desc_int[row["desc"]][14]) != 0)
 
 
 def width_histogram(counts: list[int], grid: int) -> dict[str, int]:
