@@ -19,13 +19,13 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from zlc.bundle import MODE_DECODE, OP_NAMES
+from zlc.bundle import MODE_DECODE, OP_LINEAR, OP_NAMES
 from zlc.targets import get_target
 
 from .kernel_code import KernelCode, KernelStatsError, SyncCounts
 from .kernel_path import PathFacts, nest, task_path
 from .kernel_sim import SimParams, SimResult, TaskShape, simulate
-from .kernel_tables import TableFacts, waits_of
+from .kernel_tables import _ITEM, TableFacts, waits_of
 
 __all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "predict", "sim_params", "task_shapes"]
 
@@ -67,7 +67,6 @@ _RANGES: dict[str, dict[str, tuple[float, float, float]]] = {
               "barrier_us": (0.01, 0.02, 0.04), "sync_us": (0.15, 0.3, 0.5), "launch_us": (2.0, 4.0, 8.0),
               "sm_gbs": (100, 90, 70), "clock_ghz": (1.69, 1.5, 1.3), "ipc": (4, 3, 2)},
 }
-_L2_MB = {"a10": 6, "a100": 40, "l4": 48, "rtx3090": 6, "rtx4090": 72, "h100": 50, "h200": 50}
 # targets measured against a different bandwidth than the family's reference part: scale it
 _REFERENCE_GBS = {"sm_90": 4800.0, "sm_8x": 600.0}
 
@@ -81,14 +80,14 @@ def params_for(target: str, case: str) -> LatencyParams:
     k = CASES.index(case)
     r = {name: v[k] for name, v in _RANGES[fam].items()}
     r["hbm_gbs"] *= (t.bandwidth_gbs or _REFERENCE_GBS[fam]) / _REFERENCE_GBS[fam]
-    return LatencyParams(sms=t.sms, l2_mb=float(_L2_MB.get(t.name, 6)), **r)
+    return LatencyParams(sms=t.sms, l2_mb=float(t.l2_mb or 6), **r)
 
 
 def sim_params(lp: LatencyParams, grid: int, warps: int, claim_overlapped: bool) -> SimParams:
     return SimParams(grid=grid, l2=lp.l2_us, dram=lp.dram_us, atomic=lp.atomic_us, fence=lp.fence_us,
                      inval=lp.inval_us, barrier=lp.barrier_us, sig=lp.sync_us, launch=lp.launch_us,
                      sm_bw=lp.sm_gbs * 1e3, hbm_bw=lp.hbm_gbs * 1e3, instr=warps / lp.ipc / (lp.clock_ghz * 1e3),
-                     claim_overlapped=claim_overlapped)
+                     claim_overlapped=claim_overlapped, l2_cap=lp.l2_mb * 1e6 / 2)
 
 
 @dataclass
@@ -142,12 +141,23 @@ def task_shapes(code: KernelCode, tables: TableFacts, context: int, l2_mb: float
         unpriced += not priced
         ctrl += c
         s.op, s.waits, s.level = r["op"], waits[i], tables.levels["decode"][i]
+        s.l2_bytes = float(min(tr.weights[i], _prefetchable(tabs, r)))
         if i in last_of_group:
             s.fences += group.fences
             s.invalidations += group.l1_invalidations
             s.barriers += group.barriers
         shapes.append(s)
     return shapes, ShapeInfo(classes, unpriced, ctrl)
+
+
+def _prefetchable(tabs: Any, r: dict[str, Any]) -> int:
+    """The weight bytes of a task that the kernel's L2 prefetch requests for it (PREFETCH,
+    `_prefetch_next`): a Linear's contiguous rows [n0, n1) x K of W, and of W2 when gated."""
+    if r["op"] != OP_LINEAR:
+        return 0
+    di = tabs.desc_int[r["desc"]]
+    item = _ITEM.get(str(tabs.man["dtype"]["weights"]), 2)
+    return max(0, r["b"] - r["a"]) * int(di[2]) * item * (2 if int(di[5]) >= 0 else 1)
 
 
 def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float, threads: int,
@@ -162,6 +172,10 @@ def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float
     s.instrs = float(pf.tail_instrs)
     s.fences, s.invalidations = pf.sync.fences, pf.sync.l1_invalidations
     s.barriers, s.atomics = pf.sync.barriers, float(pf.waited_atomics)
+    s.l2_next_rt = float(pf.l2_prefetch_rt or 0) if pf.l2_prefetches else -1.0
+    s.l2_next_at_end = pf.l2_prefetch_at_end
+    s.post_rt, s.post_instrs = float(pf.post_signal_rt), float(pf.post_signal_instrs)
+    s.claim_waited = pf.claim_waited
     in_flight = [pf.in_flight_per_thread * threads] if pf.in_flight_per_thread else []
     streams_w = bool(pf.weight_opcodes) and wbytes > prefetch
     stream_kv = False
@@ -278,6 +292,9 @@ def predict(code: KernelCode, tables: TableFacts, man: dict[str, Any], context: 
     classes = [{"body": body, "op": OP_NAMES[shapes[c["sample_task"]].op], "variants": list(var), "tasks": c["tasks"],
                 "sample_task": c["sample_task"], "weight_bytes": c["weight_bytes"],
                 "weight_opcodes": c["weight_opcodes"], "in_flight_bytes": round(c["shape"].in_flight), "prefetch_bytes": round(c["shape"].prefetch),
+                "l2_prefetch_next": c["path"].l2_prefetches > 0,
+                "l2_prefetch_bytes_per_thread": c["path"].l2_prefetch_bytes_per_thread,
+                "l2_prefetch_at_end": c["path"].l2_prefetch_at_end,
                 "fences": c["shape"].fences, "l1_invalidations": c["shape"].invalidations,
                 "path": c["path"].as_dict()} for (body, var), c in info.classes.items()]
     return Prediction(target, context, us, floor, int(nbytes), int(rb) if rb else None, per_op, sms, crit,

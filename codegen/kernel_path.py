@@ -58,10 +58,26 @@ class PathFacts:
     reaches_body: bool = True
     decisions: tuple[int, ...] = ()  # the blocks whose successors the task's path depends on
     kv_loop: int | None = None  # header block of the loop that streams the KV cache
+    # L2 prefetches (CCTL.E.PF2, the next task's weights, PREFETCH): on the path, straight-line code
+    # once and each loop's per iteration; 128-byte lines, so 128 x that many bytes per thread and
+    # pass; round trips before the first issues (the claim's atomic excluded, as above)
+    l2_prefetches: int = 0
+    l2_prefetch_rt: int | None = None
+    l2_prefetch_at_end: bool = False  # they issue after the stream and the task's last round trips (the signal's side)
+    claim_waited: bool = False  # the claimed index is waited for before the first weight request or poll
+    # after the task's signal (its last atomic of the task loop's own code, not the claim): what
+    # delays only this program's next task, not the task's dependents
+    post_signal_rt: int = 0
+    post_signal_instrs: int = 0
+
+    @property
+    def l2_prefetch_bytes_per_thread(self) -> int:
+        return 128 * self.l2_prefetches
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k not in ("loops", "sync", "decisions")}
         d["sync"] = self.sync.as_dict()
+        d["l2_prefetch_bytes_per_thread"] = self.l2_prefetch_bytes_per_thread
         d["loops"] = [f"{lf.source_fn}:{lf.source_line} ({region})" for lf, region in self.loops]
         return d
 
@@ -201,9 +217,15 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
     wops: Counter[str] = Counter()
     wbytes = 0
     loops: list[tuple[int, LoopFacts]] = []
+    pf_n, pf_pos, claim_use = 0, -1, -1
     for pos, (kind, x) in enumerate(seq):
         if kind == "l":  # a barrier: everything outstanding has arrived when the loop is done
             depth = max([depth] + [arr for _, _, arr, at in loads.values() if not at])
+            n_pf = sum(1 for lf in nest(code, code.loop_facts(next(lp for lp in code.inner_loops if lp.header == x)))
+                       for n in lf.own if ins[n].is_l2_prefetch)
+            if n_pf and pf_pos < 0:
+                pf_pos = pos
+            pf_n += n_pf
             if any(w for _, w, _, _ in loads.values()):
                 consumed.append(pos)
             loads.clear()
@@ -214,7 +236,13 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
             continue
         i = ins[x]
         hit = {pending[r] for r in (*i.srcs, *i.dests) if r in pending}
+        if i.is_l2_prefetch:
+            pf_n += 1
+            if pf_pos < 0:
+                pf_pos = pos
         for lid in hit:
+            if lid in code.claims and claim_use < 0:
+                claim_use = pos
             nbytes, w, arr, at = loads.pop(lid)
             depth = max(depth, arr)
             if w:
@@ -279,6 +307,10 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
             r = "tail"
         regions.append((lf, r))
     pre_w = [p for p in weights if polls and p < first_poll]
+    first_need = min([p for p in (weights[:1] + polls[:1])] or [len(seq)])
+    sig = [p for p, (k, x) in enumerate(seq) if k == "i" and ins[x].is_global_atomic and x not in code.claims
+           and code.where[x] is None]
+    sig_pos = sig[-1] if sig else len(seq)
     first_w = weights[0] if weights else None
     variants = tuple(dict.fromkeys(f for k, x in seq if k == "i" and x in code.weight for f in _weight_fns(code, x)))
     return PathFacts(
@@ -291,7 +323,11 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
         poll_rt=marks[first_poll] if polls else 0, lead_rt=max(0, lead), par_rt=max(0, par), tail_rt=max(0, tail),
         tail_instrs=tail_instrs, in_flight_per_thread=best_w, weight_opcodes=dict(wops), weight_bytes_per_thread=wbytes,
         sync=sync, waited_atomics=waited_atomics, claim_atomics=claims, ctrl_loads=ctrl, loops=regions,
-        instructions=sum(1 for k, _ in seq if k == "i"))
+        instructions=sum(1 for k, _ in seq if k == "i"), l2_prefetches=pf_n,
+        l2_prefetch_rt=marks[pf_pos] if pf_pos >= 0 else None, claim_waited=0 <= claim_use < first_need,
+        l2_prefetch_at_end=pf_pos > after,
+        post_signal_rt=max(0, final - marks[sig_pos]) if sig_pos < len(seq) else 0,
+        post_signal_instrs=sum(1 for p, (k, _) in enumerate(seq) if k == "i" and p > max(sig_pos, after)))
 
 
 def _weight_fns(code: KernelCode, n: int) -> list[str]:

@@ -14,7 +14,19 @@ path.
               `lead_rt` round trips, the rest of its bytes stream (starting one DRAM latency after
               the request, or seamlessly after the prefetch), `par_rt` round trips beside them;
               then `serial` round trips the loop iterations add, `tail_rt`, the math it cannot
-              overlap, and its fences / waited atomics / barriers / L1 invalidations
+              overlap, and its fences / waited atomics / barriers / L1 invalidations; it finishes
+              (signals) before the `post_rt` / `post_instrs` of those that follow its signal,
+              which keep only its program from its next task
+    L2 prefetch  a task whose path prefetches its next task's weights into L2 (`l2_next_rt` >= 0)
+              issues it once its claim has returned and `l2_next_rt` more round trips (the next
+              row, its descriptor): an HBM stream of the next task's `l2_bytes` from one DRAM
+              latency later, all of them in flight (no register holds a prefetched line), admitted
+              while the prefetched bytes not yet consumed fit in `l2_cap` (else it streams all the
+              same and is evicted before use: no benefit). The next task reads those bytes from L2
+              (first byte one L2 round trip after its request, at its L2 rate) in address order
+              behind the prefetch: it ends at the later of its own pace and one L2 round trip
+              after the prefetch's last line (so a later prefetch never makes the task earlier);
+              the rest of its bytes stream from HBM as before
     streams   a stream of B bytes with D bytes in flight per SM wants min(D / latency, BW_sm);
               HBM streams share BW_hbm in proportion to what they want whenever they want more
               in total (the loaded-latency view: when HBM saturates the latency grows for every
@@ -63,6 +75,16 @@ class TaskShape:
     atomics: float = 0.0  # atomics whose result the task waits for
     barriers: float = 0.0
     level: int = 0
+    # the L2 prefetch of the next task's weights (its path's CCTL.E.PF2): round trips after the
+    # claim's atomic before it issues (< 0: no prefetch on the path); whether the task waits for the
+    # claim before its first weight request or poll (then those come an atomic later)
+    l2_next_rt: float = -1.0
+    l2_next_at_end: bool = False  # it issues at the task's end (after the signal), not l2_next_rt in
+    claim_waited: bool = False
+    l2_bytes: float = 0.0  # of this task's weight bytes, those a previous task's prefetch covers
+    # of tail_rt / instrs: those after the signal (they keep the program, not the dependents, waiting)
+    post_rt: float = 0.0
+    post_instrs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,7 @@ class SimParams:
     hbm_bw: float
     instr: float  # µs per warp instruction per warp of a program (warps / IPC / clock)
     claim_overlapped: bool = True
+    l2_cap: float = math.inf  # bytes of prefetched weights L2 holds for their tasks at once
 
 
 @dataclass
@@ -101,6 +124,9 @@ class Times:
     poll_by: str = ""  # "issue" or "prefetch" (the code used the prefetched weights first)
     wait_by: int = -1  # the signaller that bound the wait, -1: the poll itself
     body_by: str = ""  # "stream", "prefetch", "chain"
+    l2_pf: str = ""  # "", "hit" (its weights were prefetched into L2), "evicted" (over l2_cap)
+    pf_end: float = math.nan  # when the prefetch of its weights arrived in L2
+    free: float = math.nan  # when its program is done with it (finish = its signal, then what follows it)
 
 
 @dataclass
@@ -173,8 +199,11 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
     b_after_a = [False] * n
     lead_end = [math.nan] * n
     chain_end = [math.nan] * n
-    streams: dict[int, tuple[int, str]] = {}  # sid -> (task, "A"/"B")
+    streams: dict[int, tuple[int, str]] = {}  # sid -> (task, "A"/"B"/"P": before the poll / after it / L2 prefetch)
     hbm_bytes = 0.0
+    pf_resident = 0.0  # prefetched bytes admitted to L2 whose task has not finished
+    pf_waiting: dict[int, list[tuple[str, float, float]]] = {}  # task -> L2 reads in progress: (kind, bytes, start)
+    b_hbm = [0.0] * n  # of a task's stream after the waits: the bytes that still come from HBM
 
     def claim(pr: int, t: float, by: int) -> None:
         nonlocal next_index
@@ -193,14 +222,100 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
     def stream_start(k: int, kind: str, nbytes: float, t: float) -> None:
         nonlocal hbm_bytes
         s = tasks[k]
-        sid = 2 * k + (kind == "B")
+        sid = 3 * k + "ABP".index(kind)
         if kind == "B" and s.stream_l2:
             push(t + nbytes / demand(s, p.l2), "b_end", k)
             return
         fluid.advance(t)
-        fluid.add(sid, nbytes, demand(s, p.dram))
+        # a prefetch has all its lines in flight; one SM's pull is not the limit (L2 takes them)
+        fluid.add(sid, nbytes, max(1e-9, min(nbytes / p.dram, p.hbm_bw)) if kind == "P" else demand(s, p.dram))
         streams[sid] = (k, kind)
         hbm_bytes += nbytes
+
+    def l2_read(k: int, kind: str, nbytes: float, t: float) -> None:
+        """`nbytes` of task k's prefetched weights read from L2 from `t` (its first byte's latency
+        included), in address order behind the prefetch, which arrives in that order: done at its
+        own pace, but not before the prefetch's last line is in L2 and one L2 round trip; then the
+        A or B stream's end."""
+        pe = tm[k].pf_end
+        if math.isnan(pe):
+            pf_waiting.setdefault(k, []).append((kind, nbytes, t))
+            return
+        l2_read_end(k, kind, nbytes, t, pe)
+
+    def l2_read_end(k: int, kind: str, nbytes: float, t: float, pe: float) -> None:
+        push(max(t + nbytes / demand(tasks[k], p.l2), pe + p.l2), "a_l2" if kind == "A" else "b_l2", k)
+
+    def a_done(k: int, ts: float) -> None:
+        tm[k].a_end = ts
+        a_pending[k] = False
+        if tasks[k].used_before_poll and math.isnan(tm[k].poll):
+            tm[k].poll, tm[k].poll_by = max(ts, tm[k].start + first_rt(k, tasks[k].poll_rt)), "prefetch"
+            push(tm[k].poll, "poll", k)
+        if b_after_a[k]:
+            b_after_a[k] = False
+            tm[k].b_start = max(ts, lead_end[k] + b_latency(k))
+            if tm[k].b_start > ts:
+                push(tm[k].b_start, "b_join", k)
+            else:
+                b_begin(k, ts)
+        elif not math.isnan(chain_end[k]) and tasks[k].stream <= 0:
+            body_done(k, ts, "prefetch")
+
+    def covered(k: int) -> float:
+        """Bytes of task k that come from L2, prefetched."""
+        return tasks[k].l2_bytes if tm[k].l2_pf == "hit" else 0.0
+
+    def b_latency(k: int) -> float:
+        s = tasks[k]
+        return p.l2 if s.stream_l2 or covered(k) > s.prefetch else p.dram
+
+    def b_begin(k: int, t: float) -> None:
+        """The stream after the waits: its bytes the prefetch covers (beyond those the A stream
+        read) from L2, then the rest from HBM."""
+        s = tasks[k]
+        cb = min(s.stream, max(0.0, covered(k) - s.prefetch))
+        b_hbm[k] = s.stream - cb
+        if cb > 0:
+            l2_read(k, "B", cb, t)
+        else:
+            stream_start(k, "B", s.stream, t)
+
+    def prefetch_next(k: int, nxt: tuple[int, float, int] | None, issue: float) -> None:
+        """Task k's L2 prefetch of the task it claimed, issued at `issue`: admitted to L2 now if
+        the prefetched bytes not yet consumed leave room for it (else evicted before use)."""
+        nonlocal pf_resident
+        if nxt is None or nxt[2] != k or tasks[nxt[0]].l2_bytes <= 0:
+            return
+        j, nb = nxt[0], tasks[nxt[0]].l2_bytes
+        if pf_resident + nb <= p.l2_cap:
+            pf_resident += nb
+            tm[j].l2_pf = "hit"
+        else:
+            tm[j].l2_pf = "evicted"
+        push(issue + p.dram, "p_join", j)
+
+    def free(k: int, t: float) -> None:
+        """Task k's program is done with it at t: the prefetch at its end, then its next task."""
+        s, tk = tasks[k], tm[k]
+        tk.free = t
+        pr = tk.program
+        if not p.claim_overlapped:
+            claim(pr, t, k)
+        elif s.l2_next_rt >= 0 and s.l2_next_at_end:  # its last instructions: once the claim has returned
+            nxt = prog_next.get(pr)
+            prefetch_next(k, nxt, max(t, nxt[1]) if nxt is not None else t)
+        nxt = prog_next.pop(pr, None)
+        if nxt is not None:
+            j, usable, _ = nxt
+            tj = tm[j]
+            tj.program, tj.prev = pr, k
+            tj.start_by = "claim" if usable > t else "program"
+            push(max(t, usable), "start", j)
+
+    def first_rt(k: int, rt: float) -> float:
+        """µs from a task's start to the point `rt` round trips in (after the claim if it waits for it)."""
+        return (p.atomic if tasks[k].claim_waited else 0.0) + rt * p.l2
 
     def try_wait(k: int) -> None:
         """All signallers of k have finished and k has polled: its waits resolve."""
@@ -222,8 +337,9 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         s, t = tasks[k], tm[k]
         end = streamed + s.serial_rt * p.l2
         t.body, t.body_by = (end, by) if end >= chain_end[k] else (chain_end[k], "chain")
+        after = min(s.post_rt, s.tail_rt) * p.l2 + min(s.post_instrs, s.instrs) * p.instr  # the signal first
         push(t.body + s.tail_rt * p.l2 + s.instrs * p.instr + s.fences * p.fence + s.invalidations * p.inval
-             + s.atomics * p.atomic + s.barriers * p.barrier, "finish", k)
+             + s.atomics * p.atomic + s.barriers * p.barrier - after, "finish", k)
 
     while ev or fluid.heap:
         te = ev[0][0] if ev else math.inf
@@ -232,20 +348,11 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
             fluid.advance(ts)
             k, kind = streams.pop(fluid.pop())
             if kind == "A":
-                tm[k].a_end = ts
-                a_pending[k] = False
-                if tasks[k].used_before_poll and math.isnan(tm[k].poll):
-                    tm[k].poll, tm[k].poll_by = max(ts, tm[k].start + tasks[k].poll_rt * p.l2), "prefetch"
-                    push(tm[k].poll, "poll", k)
-                if b_after_a[k]:
-                    b_after_a[k] = False
-                    tm[k].b_start = max(ts, lead_end[k] + p.dram)
-                    if tm[k].b_start > ts:
-                        push(tm[k].b_start, "b_join", k)
-                    else:
-                        stream_start(k, "B", tasks[k].stream, ts)
-                elif not math.isnan(chain_end[k]) and tasks[k].stream <= 0:
-                    body_done(k, ts, "prefetch")
+                a_done(k, ts)
+            elif kind == "P":
+                tm[k].pf_end = ts
+                for what, nbytes, t0 in pf_waiting.pop(k, []):
+                    l2_read_end(k, what, nbytes, t0, ts)
             else:
                 tm[k].b_end = ts
                 body_done(k, ts, "stream")
@@ -257,15 +364,31 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
             tk.start = t
             if p.claim_overlapped:
                 claim(tk.program, t, k)
+                nxt = prog_next.get(tk.program)
+                if s.l2_next_rt >= 0 and not s.l2_next_at_end:
+                    prefetch_next(k, nxt, nxt[1] + s.l2_next_rt * p.l2 if nxt is not None else t)
             if s.prefetch > 0:
-                tk.req = t + s.pre_rt * p.l2
+                tk.req = t + first_rt(k, s.pre_rt)
                 a_pending[k] = True
-                push(tk.req + p.dram, "a_join", k)
+                push(tk.req + (p.l2 if covered(k) > 0 else p.dram), "a_join", k)
             if not (s.used_before_poll and s.prefetch > 0):
-                tk.poll, tk.poll_by = t + s.poll_rt * p.l2, "issue"
+                tk.poll, tk.poll_by = t + first_rt(k, s.poll_rt), "issue"
                 push(tk.poll, "poll", k)
         elif kind == "a_join":
-            stream_start(k, "A", s.prefetch, t)
+            if covered(k) > 0:
+                l2_read(k, "A", s.prefetch, t)
+            else:
+                stream_start(k, "A", s.prefetch, t)
+        elif kind == "p_join":
+            stream_start(k, "P", s.l2_bytes, t)
+        elif kind == "a_l2":
+            a_done(k, t)
+        elif kind == "b_l2":
+            if b_hbm[k] > 0:  # the bytes no prefetch covers follow from HBM, requested ahead: no gap
+                stream_start(k, "B", b_hbm[k], t)
+            else:
+                tk.b_end = t
+                body_done(k, t, "stream")
         elif kind == "poll":
             missing[k] = 0
             for group in s.waits:
@@ -282,31 +405,30 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
                 if a_pending[k]:
                     b_after_a[k] = True
                 else:
-                    tk.b_start = lead_end[k] + (p.l2 if s.stream_l2 else p.dram)
+                    tk.b_start = lead_end[k] + b_latency(k)
                     push(tk.b_start, "b_join", k)
             elif not a_pending[k]:  # else the prefetch's end finishes the body
                 body_done(k, tk.a_end if not math.isnan(tk.a_end) else -math.inf, "prefetch")
         elif kind == "b_join":
-            stream_start(k, "B", s.stream, t)
+            b_begin(k, t)
         elif kind == "b_end":
             tk.b_end = t
             body_done(k, t, "stream")
         elif kind == "finish":
             tk.finish = t
+            if tk.l2_pf == "hit":
+                pf_resident -= s.l2_bytes
             for w in waiters.pop(k, []):
                 missing[w] -= 1
                 if missing[w] == 0:
                     try_wait(w)
-            pr = tk.program
-            if not p.claim_overlapped:
-                claim(pr, t, k)
-            nxt = prog_next.pop(pr, None)
-            if nxt is not None:
-                j, usable, _ = nxt
-                tj = tm[j]
-                tj.program, tj.prev = pr, k
-                tj.start_by = "claim" if usable > t else "program"
-                push(max(t, usable), "start", j)
+            after = min(s.post_rt, s.tail_rt) * p.l2 + min(s.post_instrs, s.instrs) * p.instr
+            if after > 0:
+                push(t + after, "free", k)
+            else:
+                free(k, t)
+        elif kind == "free":
+            free(k, t)
     unfinished = [k for k in range(n) if math.isnan(tm[k].finish)]
     if unfinished:
         raise ValueError(f"the simulation left {len(unfinished)} tasks unfinished (first: {unfinished[0]}): a wait "
@@ -316,11 +438,11 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
     polling = [0.0] * p.grid
     per_op: dict[int, dict[str, float]] = {}
     for s, x in zip(tasks, tm, strict=True):
-        busy[x.program] += x.finish - x.start
+        busy[x.program] += (x.finish if math.isnan(x.free) else x.free) - x.start
         polling[x.program] += max(0.0, x.wait - x.poll - p.l2 * len(s.waits))
         d = per_op.setdefault(s.op, {"tasks": 0, "busy_us": 0.0, "polling_us": 0.0})
         d["tasks"] += 1
-        d["busy_us"] += x.finish - x.start
+        d["busy_us"] += (x.finish if math.isnan(x.free) else x.free) - x.start
         d["polling_us"] += max(0.0, x.wait - x.poll - p.l2 * len(s.waits))
     return SimResult(p.launch + end, tm, busy, polling, per_op, _critical(tasks, tm, p), hbm_bytes)
 
@@ -353,7 +475,7 @@ def _critical(tasks: list[TaskShape], tm: list[Times], p: SimParams) -> dict[str
                     to("stream", t.req)
                     point = "start"
                 else:
-                    lat = p.l2 if tasks[k].stream_l2 else p.dram
+                    lat = p.l2 if tasks[k].stream_l2 or t.l2_pf == "hit" else p.dram
                     to("stream", t.b_start - lat)
                     point = "wait"
             elif t.body_by == "prefetch" and not math.isnan(t.req):

@@ -20,11 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_NAMES, TASK_WORDS
+from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_LINEAR, OP_NAMES, TASK_WORDS
 
 # ---- norm and activation codes (descriptor fields) -----------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 NORM_COMBINE = 3  # not a norm: the input row is merged from split-KV attention partials
+# After the rows, one record per row (same order) of the weights its task's L2 prefetch requests
+# (the compiled decode kernel's PREFETCH, docs/megakernel.md): a Linear's rows [n0, n1) x K of W
+# and of W2 (gated), in units of 64 elements (pack.py's alignment of W offsets), so int32 covers
+# any arena: [first unit of W's block, units, first unit of W2's block or -1, 0]; other ops
+# [0, 0, -1, 0]. Header word 5 is where the records start.
+PF_WORDS = 4
+PF_UNIT = 64
 ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
 ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = 0, 1, 2
 
@@ -144,13 +151,26 @@ class Program:
         """Header + prefill rows + decode rows, int32."""
         tabs = order or self.tables
         pre, dec = tabs["prefill"], tabs["decode"]
-        header = [len(pre), 0, len(dec), len(pre) * TASK_WORDS, self.n_events]
+        header = [len(pre), 0, len(dec), len(pre) * TASK_WORDS, self.n_events,
+                  HEADER_WORDS + (len(pre) + len(dec)) * TASK_WORDS]
         header += [0] * (HEADER_WORDS - len(header))
         rows = [w for t in pre + dec for w in t.row()]
-        arr = np.array(header + rows, dtype=np.int64)
+        prefetch = [w for t in pre + dec for w in self.prefetch_record(t)]
+        arr = np.array(header + rows + prefetch, dtype=np.int64)
         if arr.max(initial=0) >= 2**31 or arr.min(initial=0) < -(2**31):
             raise OverflowError("task table field beyond int32")
         return arr.astype(np.int32)
+
+    def prefetch_record(self, t: Task) -> list[int]:
+        """The PF_WORDS words of task t's L2 prefetch record (see PF_WORDS)."""
+        if t.op != OP_LINEAR:
+            return [0, 0, -1, 0]
+        d = self.desc_int[t.desc]
+        k, w_off, w2_off = int(d[2]), int(d[4]), int(d[5])
+        lo, hi = w_off + t.a * k, w_off + t.b * k
+        first = lo // PF_UNIT
+        units = max(0, -(-hi // PF_UNIT) - first)
+        return [first, units, (w2_off + t.a * k) // PF_UNIT if w2_off >= 0 else -1, 0]
 
     def counters_size(self) -> int:
         return CNT_EVENTS + max(self.n_events, 1)

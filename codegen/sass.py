@@ -158,6 +158,11 @@ class Instr:
         return self.op in ("CCTL", "CCTLL") and any(m.startswith("IV") for m in self.mods)
 
     @property
+    def is_l2_prefetch(self) -> bool:
+        """`prefetch.global.L2` (sm_8x / sm_90: CCTL.E.PF2): a line requested into L2, no result."""
+        return self.op in ("CCTL", "CCTLL") and "PF2" in self.mods
+
+    @property
     def is_barrier(self) -> bool:
         return self.op == "BAR"
 

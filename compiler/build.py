@@ -204,16 +204,24 @@ def _aot(b: Build) -> None:
         # Two kernels from the one source, per target: STEP picks the prefill or the decode bodies,
         # so neither carries the other's registers (docs/megakernel.md, "Two kernels").
         builds = [k for k in _BUILDS if k == "release" or b.debug_waits]
-        jobs = [(kind, step, build) for kind, step in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL))
-                for build in builds]
-        names = ", ".join(t.name for t in gpu_targets)
+        # PREFETCH: the decode kernel requests the next task's weights into L2 (inline PTX, which
+        # the interpreter cannot run: it keeps the default 0), on targets whose L2 holds them
+        # (l2_prefetch; docs/megakernel.md); the prefill kernel compiles it out
+        prefetch = {t.name: l2_prefetch(gp, t, b.wdtype) for t in gpu_targets}
+        groups = {on: [t for t in gpu_targets if prefetch[t.name]["on"] == on] for on in (True, False)}
+        jobs = [(kind, step, build, on) for kind, step in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL))
+                for build in builds for on in (True, False) if groups[on] and (kind == "decode" or not on)]
+        for t in gpu_targets:
+            b.report("aot", f"{t.name}: L2 prefetch of the next task's weights {'on' if prefetch[t.name]['on'] else 'off'}: "
+                            f"{prefetch[t.name]['why']}")
 
-        def run(job: tuple[str, int, str]) -> list[Any]:
-            kind, step, build = job
+        def run(job: tuple[str, int, str, bool]) -> list[Any]:
+            kind, step, build, on = job
+            targets = groups[on] if kind == "decode" else gpu_targets
             what = kind if build == "release" else f"{kind} ({build})"
-            b.report("aot", f"{what} kernel: {names} (ptxas)")
-            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, **_BUILDS[build]}
-            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), consts, gpu_targets,
+            b.report("aot", f"{what} kernel: {', '.join(t.name for t in targets)} (ptxas)")
+            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, "PREFETCH": int(on), **_BUILDS[build]}
+            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), consts, targets,
                                      num_warps=gp.tiling.num_warps,
                                      on_progress=lambda s: b.report("aot", f"{what}: {s}"))
             for r in {r.arch: r for r in results}.values():
@@ -228,7 +236,7 @@ def _aot(b: Build) -> None:
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1, 4))) as pool:
             compiled = dict(zip(jobs, pool.map(run, jobs), strict=True))
         entries: dict[str, dict[str, dict[str, Any]]] = {}
-        for (kind, _, build), results in compiled.items():
+        for (kind, _, build, _), results in compiled.items():
             for r in results:
                 entries.setdefault(r.target, {}).setdefault(kind, {})[build] = _kernel_entry(b.tmp, r, kind, build)
         for name, kinds in entries.items():
@@ -240,12 +248,29 @@ def _aot(b: Build) -> None:
             for build in builds[1:]:
                 info[build] = {k: v for k, v in dec[build].items() if k != "arch"}
                 prefill[build] = {k: v for k, v in pre[build].items() if k != "arch"}
-            b.target_info[name] = {**info, "prefill": prefill}
+            b.target_info[name] = {**info, "prefill": prefill, "l2_prefetch": prefetch[name]}
     assert b.lowered is not None
     for tg in b.targets:
         info = b.target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu",
                                                   "grid": b.tilings["cpu"]["grid"]})
         info["roofline"] = roofline(b.lowered, tg, b.wdtype)
+
+
+def l2_prefetch(prog: Any, target: Any, wdtype: str) -> dict[str, Any]:
+    """Whether `target`'s decode kernel prefetches the next task's weights into L2 (PREFETCH): when
+    one such prefetch per program, of the decode step's mean size, fits in half its L2 (the other
+    half for the KV cache, activations and partials; docs/kernel-model.md prices the excess as
+    evicted before use: its bytes cross HBM twice)."""
+    from zlc.codegen.program import PF_UNIT
+
+    item = 4 if wdtype == "fp32" else 2
+    sizes = [r[1] * PF_UNIT * item * (2 if r[2] >= 0 else 1)
+             for r in (prog.prefetch_record(t) for t in prog.tables["decode"]) if r[1] > 0]
+    mean = sum(sizes) / len(sizes) if sizes else 0.0
+    need, have = mean * target.sms, target.l2_mb * 1e6 / 2
+    on = 0 < need <= have
+    return {"on": on, "why": f"{target.sms} programs x {mean / 1e3:.0f} KB per prefetch (the decode step's mean) = "
+                             f"{need / 1e6:.1f} MB {'<=' if on else '>'} half the L2 ({have / 1e6:.0f} MB)"}
 
 
 def _kernel_entry(root: Path, r: Any, kind: str, build: str) -> dict[str, Any]:

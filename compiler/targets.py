@@ -28,6 +28,7 @@ class Target:
     compute_capability: int | None  # 86 for sm_86; None for the CPU target
     bandwidth_gbs: float | None  # spec memory bandwidth, GB/s (lower bound where SKUs differ)
     sms: int = 2  # streaming multiprocessors: the persistent grid (the CPU target: programs)
+    l2_mb: float = 0.0  # L2 cache, MB (the latency model's, and the build's L2 prefetch rule)
 
     @property
     def is_gpu(self) -> bool:
@@ -35,13 +36,13 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("a10", "sm_86", 86, 600.0, 72),
-    Target("a100", "sm_80", 80, 1555.0, 108),  # 40 GB SKU; the 80 GB SKU has 2039 GB/s
-    Target("l4", "sm_89", 89, 300.0, 58),
-    Target("rtx3090", "sm_86", 86, 936.0, 82),
-    Target("rtx4090", "sm_89", 89, 1008.0, 128),
-    Target("h100", "sm_90", 90, 3350.0, 132),
-    Target("h200", "sm_90", 90, 4800.0, 132),
+    Target("a10", "sm_86", 86, 600.0, 72, 6),
+    Target("a100", "sm_80", 80, 1555.0, 108, 40),  # 40 GB SKU; the 80 GB SKU has 2039 GB/s
+    Target("l4", "sm_89", 89, 300.0, 58, 48),
+    Target("rtx3090", "sm_86", 86, 936.0, 82, 6),
+    Target("rtx4090", "sm_89", 89, 1008.0, 128, 72),
+    Target("h100", "sm_90", 90, 3350.0, 132, 50),
+    Target("h200", "sm_90", 90, 4800.0, 132, 50),
     Target("cpu", "interpreter", None, None),
 )}
 

@@ -235,6 +235,25 @@ def test_sync_per_task_and_at_launch(report: dict[str, Any], target: str) -> Non
     assert _check(report, target, "<= 4 dependency levels")["met"]  # 11 levels: 2 layers of 4, and 3 outside
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_decode_kernel_prefetches_the_next_tasks_weights_into_l2(bundle: Path, report: dict[str, Any],
+                                                                 target: str) -> None:
+    """The compiled decode kernel (PREFETCH) requests the next task's weights into L2 after each
+    task's signal: `prefetch.global.L2` is CCTL.E.PF2 in both archs' SASS (cuobjdump's count), on
+    every task's path at its end, 128 bytes per thread per instruction; the prefill kernel has
+    none. A Linear is priced as prefetched whole: its rows x K of W (and W2), its fused down apart."""
+    for kernel in ("decode", "prefill"):
+        cubin = bundle / report["targets"][target][f"{kernel}_kernel"]["cubin"]
+        n = len(re.findall(r"\bCCTL\.E\.PF2\b", _cuobjdump("-sass", str(cubin))))
+        assert (n > 0) == (kernel == "decode"), (kernel, n)
+    classes = report["targets"][target]["prediction"]["classes"]
+    for c in classes:
+        assert c["l2_prefetch_next"] and c["l2_prefetch_at_end"], c["variants"]
+        assert c["l2_prefetch_bytes_per_thread"] > 0 and c["l2_prefetch_bytes_per_thread"] % 128 == 0
+    ptx = (bundle / "kernels" / f"{target}.ptx").read_text()
+    assert "prefetch.global.L2" in ptx and "prefetch.global.L2" not in (bundle / "kernels" / f"{target}.prefill.ptx").read_text()
+
+
 def test_tables_levels_tasks_and_bytes(bundle: Path, report: dict[str, Any]) -> None:
     dec = report["tables"]["gpu"]["modes"]["decode"]
     readable = json.loads((bundle / "tables" / "gpu.json").read_text())["tables"]["decode"]
