@@ -25,7 +25,7 @@ from zlc.targets import get_target
 from .kernel_code import KernelCode, KernelStatsError, SyncCounts
 from .kernel_path import PathFacts, nest, task_path
 from .kernel_sim import SimParams, SimResult, TaskShape, simulate
-from .kernel_tables import _ITEM, TableFacts, waits_of
+from .kernel_tables import TableFacts, waits_of
 
 __all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "predict", "sim_params", "task_shapes"]
 
@@ -156,7 +156,7 @@ def _prefetchable(tabs: Any, r: dict[str, Any]) -> int:
     if r["op"] != OP_LINEAR:
         return 0
     di = tabs.desc_int[r["desc"]]
-    item = _ITEM.get(str(tabs.man["dtype"]["weights"]), 2)
+    item = 4 if str(tabs.man["dtype"]["weights"]) in ("fp32", "f32") else 2
     return max(0, r["b"] - r["a"]) * int(di[2]) * item * (2 if int(di[5]) >= 0 else 1)
 
 

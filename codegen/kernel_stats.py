@@ -103,10 +103,11 @@ class KernelFacts:
                 "weight_load_opcodes": dict(Counter(self.code.sass.instrs[n].opcode for n in self.code.weight))}
 
     def opcode_counts(self) -> dict[str, int]:
-        """Static counts of the global loads / atomics, fences, L1 invalidations, barriers and
-        tensor-core instructions of the whole kernel (to check against cuobjdump)."""
+        """Static counts of the global loads / atomics, fences, L1 invalidations, L2 prefetches,
+        barriers and tensor-core instructions of the whole kernel (to check against cuobjdump)."""
         return dict(sorted(Counter(i.opcode for i in self.code.sass.instrs if i.is_global_load or i.is_global_atomic
-                                   or i.is_fence or i.is_l1_invalidate or i.is_barrier or i.is_mma).items()))
+                                   or i.is_fence or i.is_l1_invalidate or i.is_l2_prefetch or i.is_barrier
+                                   or i.is_mma).items()))
 
 
 def cubin_facts(bundle: Path, target: str, man: dict[str, Any] | None = None, src: KernelSource | None = None,

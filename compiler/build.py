@@ -210,7 +210,8 @@ def _aot(b: Build) -> None:
         prefetch = {t.name: l2_prefetch(gp, t, b.wdtype) for t in gpu_targets}
         groups = {on: [t for t in gpu_targets if prefetch[t.name]["on"] == on] for on in (True, False)}
         jobs = [(kind, step, build, on) for kind, step in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL))
-                for build in builds for on in (True, False) if groups[on] and (kind == "decode" or not on)]
+                for build in builds for on in (True, False) if (groups[on] and kind == "decode") or
+                (kind == "prefill" and not on)]
         for t in gpu_targets:
             b.report("aot", f"{t.name}: L2 prefetch of the next task's weights {'on' if prefetch[t.name]['on'] else 'off'}: "
                             f"{prefetch[t.name]['why']}")
