@@ -312,7 +312,7 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     progs = [programs] if isinstance(programs, Program) else list(programs)
     kinds = sorted({t.op for p in progs for tasks in p.tables.values() for t in tasks})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     return env.get_template("megakernel.py.jinja").render(

@@ -1,6 +1,7 @@
-"""Shared by the megakernel's interpreter tests (test_megakernel*.py): the zoo models they compile,
-a compiled bundle with the lowered model it came from, the comparison with the reference executor,
-and the cpu tiling reshaped like the GPU's (conftest.py holds the `built` fixture)."""
+"""Shared by the megakernel's interpreter tests (test_megakernel*.py): the zoo models they compile
+(tests/megakernel_cases.py's, and any family by name), a compiled bundle with the lowered model it
+came from, the comparison with the reference executor, and the cpu tiling reshaped like the GPU's
+(conftest.py holds the `built` fixture)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from megakernel_cases import ATOL, MODELS, PROMPT
 
 import zlc
 from zlc.codegen import program as pg
@@ -18,16 +20,7 @@ from zlc.runtime.interpret import InterpretBackend
 from zlc.runtime.megakernel import MegakernelSession
 from zlc.targets import get_target
 
-ATOL = 1e-4
-PROMPT = [1, 5, 9, 200, 17, 33, 2]
-MODELS = {  # id -> (zoo kind, family, opset): every architecture switch of test_megakernel.py
-    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
-    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
-    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
-    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
-    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
-    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
-}
+__all__ = ["ATOL", "MODELS", "PROMPT", "Built", "assert_matches", "gpu_like", "run_both", "source"]
 
 
 def source(name: str) -> tuple[str, str, int | None]:

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from megakernel_cases import guarded_read
 from megakernel_checks import MODELS, PROMPT, Built, assert_matches, gpu_like, run_both
 
 from zlc import bundle as fmt
-from zlc.codegen.program import Task
 from zlc.codegen.schedule import signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
@@ -158,15 +158,6 @@ def test_shuffled_task_orders(built: Callable[..., Built], work: Path, seed: int
         assert_matches(run_both(s, b.lowered, PROMPT, steps=2))
 
 
-def _guarded_read(tasks: list[Task]) -> tuple[int, int]:
-    """(task, wait) of the first layer's first attention task and its wait on the q projection:
-    without it, attention reads q before it is written."""
-    sig = signalers(tasks)
-    i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
-    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
-    return i, w
-
-
 def test_dropped_wait_gives_wrong_numbers(built: Callable[..., Built], work: Path) -> None:
     """The negative control: the tests above would catch a missing dependency. Without the wait,
     the validator refuses the table, and the order that runs the reader first (what a GPU may
@@ -175,7 +166,7 @@ def test_dropped_wait_gives_wrong_numbers(built: Callable[..., Built], work: Pat
     p = b.program()
     tables = {}
     for mode, tasks in p.tables.items():
-        i, w = _guarded_read(tasks)
+        i, w = guarded_read(tasks)
         weakened = drop_wait(tasks, i, w)
         with pytest.raises(TableError, match=rf"task {i} \({re.escape(tasks[i].label)}\) reads .* without a dependency"):
             validate_tasks(weakened, mode)
