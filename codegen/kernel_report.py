@@ -148,11 +148,12 @@ def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFac
 
 
 def min_level_us(lp: LatencyParams) -> float:
-    """The least a dependency level can cost on the critical path, whatever its tasks do: the
-    signal reaching the poller, the poll's round trip, the producer's release fence, and the one
-    L2 round trip that brings the first activation after the wait (the weights may all be in
-    flight before it). A step with L levels takes at least L times this, plus the launch."""
-    return lp.sync_us + lp.l2_us + lp.fence_us + lp.l2_us
+    """The least a dependency level can cost on the critical path, whatever its tasks do, in the
+    simulation's own terms: the producer's release fence, the signal reaching a poller that is
+    already spinning (the wait resolves t_sig after the producer's finish), and the one L2 round
+    trip that brings the first activation after the wait (the weights may all be in flight before
+    it). A step with L levels takes at least L times this, plus the launch."""
+    return lp.fence_us + lp.sync_us + lp.l2_us
 
 
 def _floor_verdict(pred: Prediction, lp: LatencyParams) -> tuple[str, bool, str]:
@@ -175,9 +176,9 @@ def _floor_verdict(pred: Prediction, lp: LatencyParams) -> tuple[str, bool, str]
     least = min_level_us(lp)
     bound = launch + lv * least
     if bound > budget:  # no work per level, no overlap lost, and still over: the level count stops it
-        why += (f"; unreachable at {lv} levels: even at the least a level costs ({least:.2f} µs: signal to poll "
-                f"{lp.sync_us:g}, poll {lp.l2_us:g}, release fence {lp.fence_us:g}, first activation "
-                f"{lp.l2_us:g}) the levels alone take {bound:,.0f} µs; {FLOOR_RATIO_TARGET}x the floor allows at most "
+        why += (f"; unreachable at {lv} levels: even at the least a level costs ({least:.2f} µs: release fence "
+                f"{lp.fence_us:g}, signal to poll {lp.sync_us:g}, first activation {lp.l2_us:g}) the levels "
+                f"alone take {bound:,.0f} µs; {FLOOR_RATIO_TARGET}x the floor allows at most "
                 f"{max(0, int((budget - launch) // least))} levels")
     return (f"{pred.us['central']:,.1f} µs vs floor {pred.floor_us['central']:,.1f} µs: {ratio:.1f}x",
             ratio <= FLOOR_RATIO_TARGET, why)
