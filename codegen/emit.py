@@ -36,7 +36,7 @@ _CALLS = {
     fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, BLOCK_T, HEAD_P2)",
     fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
     fmt.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
-    fmt.OP_ARGMAX: "op_argmax(DI, CTRL, A, d, BLOCK_K)",
+    fmt.OP_ARGMAX: "op_argmax(DI, CTRL, A, d)",
     fmt.OP_ROW_NORM: "op_row_norm(DI, DF, P, A, d, a, b, T, BLOCK_T, BLOCK_K)",
 }
 
@@ -115,6 +115,15 @@ class GemvBody:
     # the prologue, then per stream position (the gate/up chunks, then the down chunks): the down
     # chunks requested there, keeping ~prefetch_bytes in flight once the gate/up stream ends
     down_issue: tuple[tuple[int, ...], ...] = ()
+    # the BLOCK_N of the tilings whose decode rows ask for this body, where not every tiling's do:
+    # a cubin built for the other tilings compiles the body out (the interpreter tiling's bodies
+    # were registers, instructions and spills in every GPU kernel that never ran them)
+    for_block_n: tuple[int, ...] = ()
+
+    @property
+    def block_n_guard(self) -> str:
+        """The dispatch's constexpr term selecting the tilings that use the body ('' : all of them)."""
+        return " | ".join(f"(BLOCK_N == {b})" for b in self.for_block_n)
 
     @property
     def name(self) -> str:
@@ -229,7 +238,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
     columns; `max_chunk` caps a chunk and `prefetch_bytes` the weights in flight (tests lower
     both, so tiny models unroll into many chunks prefetched a few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
-    shapes = set()
+    shapes: dict[tuple[int, ...], set[int]] = {}  # shape -> the block_n of the tilings asking for it
     for p in programs:
         # decode's rows only: the prefill kernel takes the generic body (SPECIALIZED False), so a
         # body only prefill's descriptors ask for (the MLP down, once fused into gate/up in decode)
@@ -239,10 +248,13 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 di = p.desc_int[t.desc]
                 norm = int(di[10])
                 down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
-                shapes.add((int(di[2]), norm, norm == 2 and int(di[12]) >= 0, int(di[5]) >= 0,
-                            int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0))
+                shape = (int(di[2]), norm, int(norm == 2 and int(di[12]) >= 0), int(int(di[5]) >= 0),
+                         int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0)
+                shapes.setdefault(shape, set()).add(p.tiling.block_n)
+    every = {p.tiling.block_n for p in programs}
     out = []
-    for k, norm, ln_bias, gated, head_d, down, down_ld in sorted(shapes):
+    for (k, norm, lnb, gtd, head_d, down, down_ld), users in sorted(shapes.items()):
+        ln_bias, gated = bool(lnb), bool(gtd)
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
@@ -256,7 +268,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         issue = _down_issue([c.size * block_n * item * (2 if gated else 1) for c in chunks], depth,
                             [c.size * block_n * item for c in d_chunks], prefetch_bytes)
         out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
-                            d_chunks, issue))
+                            d_chunks, issue, () if users == every else tuple(sorted(users))))
     return out
 
 
@@ -300,7 +312,7 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     progs = [programs] if isinstance(programs, Program) else list(programs)
     kinds = sorted({t.op for p in progs for tasks in p.tables.values() for t in tasks})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     return env.get_template("megakernel.py.jinja").render(

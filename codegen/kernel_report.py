@@ -14,7 +14,7 @@ from typing import Any
 from zlc.bundle import read_manifest
 
 from .kernel_code import KernelStatsError, kernel_info
-from .kernel_model import Prediction, params_for, predict
+from .kernel_model import LatencyParams, Prediction, params_for, predict
 from .kernel_source import KernelSource
 from .kernel_stats import KernelFacts, cubin_facts
 from .kernel_tables import TableFacts, table_facts
@@ -143,13 +143,24 @@ def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFac
         mma = sum(b.mma_loops for b in pre.bodies.values() if b.op == "linear")
         add("prefill keeps tensor-core tiles", f"{mma} MMA loops in the prefill kernel's linear body", mma > 0,
             "no MMA loop in the prefill linear body")
-    add(f"predicted decode <= {FLOOR_RATIO_TARGET}x the HBM floor", *_floor_verdict(pred, lp.launch_us))
+    add(f"predicted decode <= {FLOOR_RATIO_TARGET}x the HBM floor", *_floor_verdict(pred, lp))
     return out
 
 
-def _floor_verdict(pred: Prediction, launch: float) -> tuple[str, bool, str]:
+def min_level_us(lp: LatencyParams) -> float:
+    """The least a dependency level can cost on the critical path, whatever its tasks do, in the
+    simulation's own terms: the producer's release fence, the signal reaching a poller that is
+    already spinning (the wait resolves t_sig after the producer's finish), and the one L2 round
+    trip that brings the first activation after the wait (the weights may all be in flight before
+    it). A step with L levels takes at least L times this, plus the launch."""
+    return lp.fence_us + lp.sync_us + lp.l2_us
+
+
+def _floor_verdict(pred: Prediction, lp: LatencyParams) -> tuple[str, bool, str]:
     """Predicted vs floor, and where missed the critical path's terms: streaming, and the fixed
-    cost per level term by term (the largest first), against the budget the target leaves."""
+    cost per level term by term (the largest first), against the budget the target leaves; and
+    whether any kernel with this many levels could meet it (the sync-only bound)."""
+    launch = lp.launch_us
     ratio = pred.us["central"] / max(pred.floor_us["central"], 1e-9)
     crit = pred.critical
     us = crit.get("us", {})
@@ -162,6 +173,13 @@ def _floor_verdict(pred: Prediction, launch: float) -> tuple[str, bool, str]:
            + ", ".join(f"{k.replace('_', ' ')} {v / lv:.2f}" for k, v in terms if v / lv >= 0.01)
            + f" µs per level), launch {launch:g} µs; the target leaves {budget:,.0f} µs "
            f"({budget / lv:.2f} µs per level if nothing streamed)")
+    least = min_level_us(lp)
+    bound = launch + lv * least
+    if bound > budget:  # no work per level, no overlap lost, and still over: the level count stops it
+        why += (f"; unreachable at {lv} levels: even at the least a level costs ({least:.2f} µs: release fence "
+                f"{lp.fence_us:g}, signal to poll {lp.sync_us:g}, first activation {lp.l2_us:g}) the levels "
+                f"alone take {bound:,.0f} µs; {FLOOR_RATIO_TARGET}x the floor allows at most "
+                f"{max(0, int((budget - launch) // least))} levels")
     return (f"{pred.us['central']:,.1f} µs vs floor {pred.floor_us['central']:,.1f} µs: {ratio:.1f}x",
             ratio <= FLOOR_RATIO_TARGET, why)
 

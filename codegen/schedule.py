@@ -28,7 +28,7 @@ from .tasks import Op, ScheduleError, TaskBuilder
 
 # ---- tiling per target -------------------------------------------------------------------------
 
-def tiling_for(target: Any, max_seq: int, *, native: bool = False) -> Tiling:
+def tiling_for(target: Any, max_seq: int, *, native: bool = False, heads: int = 0) -> Tiling:
     """Coarse tiles for the interpreter (few tasks: it costs ms per task); for GPUs, one Linear
     block per task so a decode step spreads across every SM, and split-KV for long contexts.
     GPU block sizes and 8 warps are what compiles without register spills on sm_80..sm_90 (the
@@ -41,7 +41,11 @@ def tiling_for(target: Any, max_seq: int, *, native: bool = False) -> Tiling:
     2 cores decodes ~15% faster than with 64 columns), short enough that a few threads still finish
     an op nearly together; 16 query rows per prefill attention task; no split-KV (heads outnumber
     cores). `grid` is 0: the thread count is chosen when a session starts. The block sizes the C
-    bodies do not read (block_k, block_kd, block_e, block_kv) keep the cpu values."""
+    bodies do not read (block_k, block_kd, block_e, block_kv) keep the cpu values.
+
+    `heads`: the model's most query heads per attention op (0: unknown). On a GPU it caps the
+    split-KV count so that one decode attention level (heads x splits tasks) fits `target`'s SMs
+    in one round."""
     if native:
         return Tiling(block_n=128, block_k=1024, block_kd=1024, block_t=16, block_kv=64, block_e=1024,
                       max_linear_tasks=0, kv_splits=1, chunk=min(128, max_seq), num_warps=1, grid=0)
@@ -49,9 +53,14 @@ def tiling_for(target: Any, max_seq: int, *, native: bool = False) -> Tiling:
         return Tiling(block_n=128, block_k=1024, block_kd=1024, block_t=32, block_kv=64, block_e=1024,
                       max_linear_tasks=2, kv_splits=1, chunk=min(64, max_seq), num_warps=1, grid=2)
     # Split-KV: up to 8 splits of >= 64 keys. The output projection merges the partials as it loads
-    # its row (fuse_combine), so a split costs a task of the attention level, not a level.
+    # its row (fuse_combine), so a split costs a task of the attention level, not a level. A decode
+    # attention task is mostly fixed latency (its waits, the first key block's round trip, the
+    # release), so once heads x splits outgrow the SMs the level takes a second round of tasks
+    # that each save only a few key blocks: the Llama-3.2-1B shape (32 heads) on 132 SMs takes 4
+    # splits, not 8 (kernel_stats: that level 8.9 -> ~6 us per layer on h200), and the merged o
+    # projection's body merging 4 partials, not 8, fits the sm_86 register budget without spills.
     splits = 1
-    while splits < 8 and max_seq // (splits * 2) >= 64:
+    while splits < 8 and max_seq // (splits * 2) >= 64 and (heads <= 0 or heads * splits * 2 <= target.sms):
         splits *= 2
     return Tiling(block_n=32, block_k=64, block_kd=32, block_t=16, block_kv=32, block_e=256, max_linear_tasks=0,
                   kv_splits=splits, chunk=min(128, max_seq), num_warps=8, grid=target.sms,

@@ -132,10 +132,16 @@ def _schedule(b: Build) -> None:
     for key in wanted:
         b.report("schedule", f"{key} tiling")
         proto = next((t for t in b.targets if t.is_gpu), None) if key == "gpu" else get_target("cpu")
-        prog = schedule(b.decode, tiling_for(proto, b.max_seq), b.max_seq, model=b.name)
+        prog = schedule(b.decode, tiling_for(proto, b.max_seq, heads=_query_heads(b.decode)), b.max_seq, model=b.name)
         validate_program(prog)
         b.programs[key] = prog
         b.tilings[key] = _write_tables(b.tmp, key, prog, b.debug_waits)
+
+
+def _query_heads(g: Any) -> int:
+    """The most query heads of any Attention node (0 where the graph has none or they are symbolic)."""
+    heads = [n.inputs[0].type.shape[1] for n in g.nodes if n.op == "Attention"]
+    return max((int(h) for h in heads if isinstance(h, int)), default=0)
 
 
 def _emit(b: Build) -> None:

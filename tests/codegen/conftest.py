@@ -1,5 +1,6 @@
-"""Fixtures for the scheduler and megakernel tests: lowered zoo models (lowered once per session)
-and a writer of bundle-like directories that run an arbitrary `Program` in the interpreter."""
+"""Fixtures for the scheduler and megakernel tests: lowered zoo models (lowered once per session),
+zoo models compiled into bundles (once per module; helpers in megakernel_checks.py) and a writer of
+bundle-like directories that run an arbitrary `Program` in the interpreter."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from megakernel_checks import Built, source
 
 Lower = Callable[..., Any]
 
@@ -67,3 +69,23 @@ def write_program_bundle(src: Path, dst: Path, program: Any, **render_kw: Any) -
 @pytest.fixture(scope="session")
 def program_bundle() -> Callable[..., Path]:
     return write_program_bundle
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Built]:
+    """`built(name, max_seq=64)`: the zoo model `name` (megakernel_checks.source) compiled for the
+    cpu target without verification, with its lowering (once per module)."""
+    import zlc
+    from zlc.testing import zoo
+
+    cache: dict[tuple[str, int], Built] = {}
+
+    def get(name: str, max_seq: int = 64) -> Built:
+        if (name, max_seq) not in cache:
+            src = zoo.cached(*source(name))  # type: ignore[arg-type]
+            out = tmp_path_factory.mktemp("bundles") / f"{name}-{max_seq}.zlc"
+            zlc.compile(src, targets=["cpu"], out=out, max_seq=max_seq, verify=False)
+            cache[name, max_seq] = Built(out, zlc.lower(src, options=zlc.CompileOptions(max_seq=max_seq)))
+        return cache[name, max_seq]
+
+    return get

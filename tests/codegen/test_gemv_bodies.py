@@ -9,7 +9,7 @@ from zlc.codegen import program as pg
 from zlc.codegen.emit import GATED_MAX_CHUNK, GATED_SPLIT_K, MAX_CHUNK, gemv_bodies
 
 
-def _program(*shapes: tuple[int, int, bool, int]) -> SimpleNamespace:
+def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32) -> SimpleNamespace:
     """One decode Linear task per (K, norm, gated, field 12) with a descriptor holding just those."""
     desc, tasks = [], []
     for i, (k, norm, gated, f12) in enumerate(shapes):
@@ -17,7 +17,7 @@ def _program(*shapes: tuple[int, int, bool, int]) -> SimpleNamespace:
         di[2], di[5], di[10], di[12] = k, (4096 if gated else -1), norm, f12
         desc.append(di)
         tasks.append(SimpleNamespace(op=fmt.OP_LINEAR, desc=i))
-    return SimpleNamespace(tables={"decode": tasks}, desc_int=desc)
+    return SimpleNamespace(tables={"decode": tasks}, desc_int=desc, tiling=SimpleNamespace(block_n=block_n))
 
 
 def test_long_gated_rows_unroll_in_smaller_chunks_with_the_same_bytes_in_flight() -> None:
@@ -37,3 +37,16 @@ def test_the_merged_body_is_one_per_head_size_with_the_size_in_its_name() -> Non
     assert [(g.head_d, g.name) for g in merged] == [(32, "_gemv_k576_merged_d32"), (64, "_gemv_k576_merged_d64")]
     plain = [g for g in gemv_bodies([p], "bf16", 32) if g.norm != pg.NORM_COMBINE]
     assert [g.head_d for g in plain] == [0]
+
+
+def test_a_body_only_some_tilings_dispatch_is_guarded_by_their_block_n() -> None:
+    """A bundle's kernel.py serves the interpreter's tiling (BLOCK_N 128) and the GPUs' (32): a body
+    only one of them asks for carries that BLOCK_N in its dispatch, so the other's cubin compiles
+    it out; a body both ask for has no guard."""
+    interp = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_NONE, False, -1), block_n=128)
+    gpu = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_COMBINE, False, 64), block_n=32)
+    by = {g.name: g for g in gemv_bodies([interp, gpu], "bf16", 32)}
+    assert by["_gemv_k2048_rms"].block_n_guard == ""
+    assert by["_gemv_k2048"].block_n_guard == "(BLOCK_N == 128)"
+    assert by["_gemv_k2048_merged_d64"].block_n_guard == "(BLOCK_N == 32)"
+    assert all(g.block_n_guard == "" for g in gemv_bodies([gpu], "bf16", 32))  # one tiling: nothing to select

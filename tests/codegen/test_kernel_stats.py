@@ -327,6 +327,28 @@ def masked(masked_bundle: Path) -> dict[str, Any]:
     return bundle_report(masked_bundle)
 
 
+@pytest.mark.parametrize("levels,unreachable", [(123, True), (99, False), (67, False)])
+def test_a_level_count_too_high_for_the_floor_target_is_called_unreachable(levels: int, unreachable: bool) -> None:
+    """The 1.6x-floor verdict says when no kernel with this many levels could meet it: SmolLM2's
+    123 decode levels at the least a level costs on h200 (release fence, signal to poll, the first
+    activation: 1.05 µs central) exceed 1.6 x its 68 µs floor before any byte streams."""
+    from zlc.codegen.kernel_model import Prediction
+    from zlc.codegen.kernel_report import _floor_verdict, min_level_us
+
+    lp = params_for("h200", "central")
+    assert min_level_us(lp) == pytest.approx(lp.fence_us + lp.sync_us + lp.l2_us)
+    crit = {"length": levels, "levels": levels, "us": {"fixed": 300.0, "sync": 60.0, "stream": 30.0},
+            "terms_us": {"signal_to_poll": levels * 0.35, "poll_round_trips": levels * 0.3}}
+    pred = Prediction("h200", 512, {"low": 300.0, "central": 390.0, "high": 600.0},
+                      {"low": 65.0, "central": 68.1, "high": 75.0}, 0, None, {}, {}, crit, 0.2, [], 0, 0.0)
+    value, met, why = _floor_verdict(pred, lp)
+    assert not met and value.endswith("5.7x")
+    budget = 1.6 * 68.1
+    assert ("unreachable at" in why) == unreachable == (lp.launch_us + levels * min_level_us(lp) > budget)
+    if unreachable:
+        assert f"at most {int((budget - lp.launch_us) // min_level_us(lp))} levels" in why
+
+
 def test_masked_fallback_is_reported(masked: dict[str, Any]) -> None:
     mv = _matvec(masked, "h200")
     assert mv and all(c["variants"] == [] for c in mv)  # the generic body: no specialized variant

@@ -20,99 +20,24 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from megakernel_cases import guarded_read
+from megakernel_checks import MODELS, PROMPT, Built, assert_matches, gpu_like, run_both
 
-import zlc
 from zlc import bundle as fmt
-from zlc.codegen import program as pg
-from zlc.codegen.program import Task
-from zlc.codegen.schedule import schedule, signalers, tiling_for
+from zlc.codegen.schedule import signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
 from zlc.errors import ZlcError
-from zlc.reference.session import ReferenceSession
-from zlc.runtime.interpret import InterpretBackend
-from zlc.runtime.megakernel import MegakernelSession
 from zlc.targets import get_target
-from zlc.testing import zoo
 
 pytest.importorskip("triton")
 
-ATOL = 1e-4
-PROMPT = [1, 5, 9, 200, 17, 33, 2]
-MODELS = {  # id -> (zoo kind, family, opset)
-    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
-    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
-    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
-    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
-    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
-    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
-}
 TIED = {"llama": False, "gpt2": True, "gemma": True, "phi3-genai": False, "qwen2-optimum": False, "bloom": True}
-
-
-class Built:
-    """A compiled bundle and the lowered model it came from (the reference's input)."""
-
-    def __init__(self, path: Path, lowered: Any):
-        self.path, self.lowered = path, lowered
-        man = zlc.load(path).manifest
-        self.chunk = int(man["tilings"]["cpu"]["layout"]["chunk"])
-        self.vocab = int(man["model"]["vocab"])
-        self.max_seq = int(man["model"]["max_seq"])
-
-    def program(self, tiling: pg.Tiling | None = None) -> pg.Program:
-        """The bundle's program rescheduled (the same as the bundle's when `tiling` is None)."""
-        t = tiling or tiling_for(get_target("cpu"), self.max_seq)
-        return schedule(self.lowered.decode, t, self.max_seq)
-
-    def session(self, path: Path | None = None, **kw: Any) -> MegakernelSession:
-        return MegakernelSession(InterpretBackend(path or self.path, "cpu", **kw), chunk=self.chunk,
-                                 max_seq=self.max_seq, vocab=self.vocab)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Built]:
-    cache: dict[tuple[str, int], Built] = {}
-
-    def get(name: str, max_seq: int = 64) -> Built:
-        if (name, max_seq) not in cache:
-            src = zoo.cached(*MODELS[name])  # type: ignore[arg-type]
-            out = tmp_path_factory.mktemp("bundles") / f"{name}-{max_seq}.zlc"
-            zlc.compile(src, targets=["cpu"], out=out, max_seq=max_seq, verify=False)
-            cache[name, max_seq] = Built(out, zlc.lower(src, options=zlc.CompileOptions(max_seq=max_seq)))
-        return cache[name, max_seq]
-
-    return get
 
 
 @pytest.fixture
 def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield tmp_path_factory.mktemp("tables")  # not tmp_path: Hypothesis tests reuse one fixture value
-
-
-def run_both(s: MegakernelSession, lowered: Any, prompt: list[int], steps: int) -> dict[str, Any]:
-    """Prefill (all logits) + `steps` decode steps on the megakernel and the reference, each decode
-    step fed the reference's greedy token. Returns the max abs errors and both token streams."""
-    ref = ReferenceSession.from_lowered(lowered)
-    tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
-    want = ref.prefill(prompt).numpy()
-    assert lg is not None and lg.shape == want.shape
-    errs = [float(np.abs(lg - want).max())]
-    got_toks, ref_toks = [tok], [int(want[-1].argmax())]
-    for _ in range(steps):
-        feed = ref_toks[-1]
-        tok, lg = s.step(feed, want_logits=True)
-        want = ref.step(feed).numpy()
-        assert lg is not None and lg.shape == (1, want.shape[-1])
-        errs.append(float(np.abs(lg[0] - want).max()))
-        got_toks.append(tok)
-        ref_toks.append(int(want.argmax()))
-    return {"errors": errs, "tokens": got_toks, "ref_tokens": ref_toks}
-
-
-def assert_matches(r: dict[str, Any]) -> None:
-    assert max(r["errors"]) <= ATOL, f"max abs error per launch {r['errors']}"
-    assert r["tokens"] == r["ref_tokens"]
 
 
 # ---- every architecture switch -----------------------------------------------------------------
@@ -182,8 +107,7 @@ def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bund
     from zlc.codegen.emit import gemv_bodies
 
     b = built(name)
-    t = replace(tiling_for(get_target("cpu"), 64), block_n=16, max_linear_tasks=0, kv_splits=2, block_kv=16,
-                fuse_kv_append=True, fuse_combine=True)
+    t = gpu_like()
     p = b.program(t)
     small = {"max_chunk": 32, "prefetch_bytes": 2 * t.block_n * 32 * 4}  # two fp32 chunks in flight
     bodies = gemv_bodies([p], "fp32", t.block_n, **small)
@@ -234,15 +158,6 @@ def test_shuffled_task_orders(built: Callable[..., Built], work: Path, seed: int
         assert_matches(run_both(s, b.lowered, PROMPT, steps=2))
 
 
-def _guarded_read(tasks: list[Task]) -> tuple[int, int]:
-    """(task, wait) of the first layer's first attention task and its wait on the q projection:
-    without it, attention reads q before it is written."""
-    sig = signalers(tasks)
-    i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
-    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
-    return i, w
-
-
 def test_dropped_wait_gives_wrong_numbers(built: Callable[..., Built], work: Path) -> None:
     """The negative control: the tests above would catch a missing dependency. Without the wait,
     the validator refuses the table, and the order that runs the reader first (what a GPU may
@@ -251,7 +166,7 @@ def test_dropped_wait_gives_wrong_numbers(built: Callable[..., Built], work: Pat
     p = b.program()
     tables = {}
     for mode, tasks in p.tables.items():
-        i, w = _guarded_read(tasks)
+        i, w = guarded_read(tasks)
         weakened = drop_wait(tasks, i, w)
         with pytest.raises(TableError, match=rf"task {i} \({re.escape(tasks[i].label)}\) reads .* without a dependency"):
             validate_tasks(weakened, mode)

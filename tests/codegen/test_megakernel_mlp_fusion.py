@@ -21,8 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from megakernel_checks import ATOL, PROMPT, Built, assert_matches, gpu_like, run_both, source
 
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
@@ -31,18 +31,11 @@ from zlc.codegen.schedule import _assign_events, _Events, schedule, signalers, t
 from zlc.codegen.shuffle import random_topological_order, write_tables
 from zlc.codegen.tasks import Op
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
-from zlc.reference.session import ReferenceSession
-from zlc.runtime.interpret import InterpretBackend
-from zlc.runtime.megakernel import MegakernelSession
 from zlc.targets import get_target
 
 pytest.importorskip("triton")
 
-ATOL = 1e-4
-PROMPT = [1, 5, 9, 200, 17, 33, 2]
 ROOT = Path(__file__).resolve().parents[2]
-FAMILY = {"llama": ("stateless", "llama", 20), "gemma": ("stateless", "gemma", 20), "gpt2": ("stateless", "gpt2", 20),
-          "mixtral": ("stateless", "mixtral", 20)}
 
 
 def _levels(tasks: list[Task]) -> list[int]:
@@ -55,9 +48,7 @@ def _levels(tasks: list[Task]) -> list[int]:
 
 def _gpu_like(max_seq: int = 64, **kw: Any) -> pg.Tiling:
     """The cpu tiling with the GPU's shape of work: 16-column Linear tasks, split-KV, every fusion."""
-    fields: dict[str, Any] = {"block_n": 16, "max_linear_tasks": 0, "kv_splits": 2, "block_kv": 16,
-                              "fuse_kv_append": True, "fuse_combine": True, "fuse_mlp_down": True}
-    return replace(tiling_for(get_target("cpu"), max_seq), **{**fields, **kw})
+    return gpu_like(max_seq, **{"fuse_mlp_down": True, **kw})
 
 
 # ---- events and the validator on hand-built tables -------------------------------------------------
@@ -120,7 +111,7 @@ def test_decode_tables_fuse_the_down(lower_model: Any, name: str) -> None:
     """Decode: no down task; each gate/up (up) task accumulates into the whole MLP output, the o
     projection writes it too (the init), and the gate/up tasks of a layer do not wait on each
     other. Prefill keeps the down op. The h100 tiling has the flag, the cpu one not."""
-    low = lower_model(*FAMILY[name])
+    low = lower_model(*source(name))
     p = schedule(low.decode, tiling_for(get_target("h100"), low.max_seq), low.max_seq)
     assert p.tiling.fuse_mlp_down and not tiling_for(get_target("cpu"), 64).fuse_mlp_down
     validate_program(p)
@@ -141,7 +132,7 @@ def test_decode_tables_fuse_the_down(lower_model: Any, name: str) -> None:
 
 
 def test_moe_experts_stay_unfused(lower_model: Any) -> None:
-    low = lower_model(*FAMILY["mixtral"])
+    low = lower_model(*source("mixtral"))
     p = schedule(low.decode, tiling_for(get_target("h100"), low.max_seq), low.max_seq)
     dec = p.tables["decode"]
     assert [t for t in dec if ".down[" in t.label]  # every expert's down keeps its decode tasks
@@ -174,58 +165,12 @@ def test_four_levels_per_layer_on_smollm2s_shape() -> None:
 
 # ---- the interpreter against the reference executor -----------------------------------------------
 
-class _Built:
-    def __init__(self, path: Path, lowered: Any):
-        import zlc
-
-        self.path, self.lowered = path, lowered
-        man = zlc.load(path).manifest
-        self.chunk = int(man["tilings"]["cpu"]["layout"]["chunk"])
-        self.vocab = int(man["model"]["vocab"])
-
-    def session(self, path: Path, **kw: Any) -> MegakernelSession:
-        return MegakernelSession(InterpretBackend(path, "cpu", **kw), chunk=self.chunk, max_seq=64, vocab=self.vocab)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], _Built]:
-    import zlc
-    from zlc.testing import zoo
-
-    cache: dict[str, _Built] = {}
-
-    def get(name: str) -> _Built:
-        if name not in cache:
-            src = zoo.cached(*FAMILY[name])  # type: ignore[arg-type]
-            out = tmp_path_factory.mktemp("bundles") / f"{name}.zlc"
-            zlc.compile(src, targets=["cpu"], out=out, max_seq=64, verify=False)
-            cache[name] = _Built(out, zlc.lower(src, options=zlc.CompileOptions(max_seq=64)))
-        return cache[name]
-
-    return get
-
-
-def _run(s: MegakernelSession, lowered: Any, steps: int) -> tuple[list[float], list[int], list[int]]:
-    """Prefill (all logits) and `steps` decode steps fed the reference's tokens: errors, tokens."""
-    ref = ReferenceSession.from_lowered(lowered)
-    tok, lg = s.prefill(PROMPT, all_logits=True, want_logits=True)
-    want = ref.prefill(PROMPT).numpy()
-    errs, got, exp = [float(np.abs(lg - want).max())], [tok], [int(want[-1].argmax())]
-    for _ in range(steps):
-        tok, lg = s.step(exp[-1], want_logits=True)
-        want = ref.step(exp[-1]).numpy()
-        errs.append(float(np.abs(lg[0] - want).max()))
-        got.append(tok)
-        exp.append(int(want.argmax()))
-    return errs, got, exp
-
-
 SMALL = {"max_chunk": 32, "prefetch_bytes": 2 * 16 * 32 * 4}  # several chunks per row, a few ahead
 
 
 @pytest.mark.parametrize(("name", "body"), [("llama", "specialized"), ("gemma", "specialized"),
                                             ("gpt2", "specialized"), ("llama", "generic")])
-def test_fused_mlp_matches_the_reference(built: Callable[[str], _Built], program_bundle: Any,
+def test_fused_mlp_matches_the_reference(built: Callable[..., Built], program_bundle: Any,
                                          tmp_path: Path, name: str, body: str) -> None:
     """Prefill + 3 decode steps within 1e-4 of the reference, equal greedy tokens. `specialized`:
     one 16-column block per task, so decode takes the unrolled bodies with the down fused (rows
@@ -243,12 +188,10 @@ def test_fused_mlp_matches_the_reference(built: Callable[[str], _Built], program
     src = (path / "kernel.py").read_text()
     assert all(g.name in src for g in fused)
     with b.session(path) as s:
-        errs, got, exp = _run(s, b.lowered, 3)
-    assert max(errs) <= ATOL, errs
-    assert got == exp
+        assert_matches(run_both(s, b.lowered, PROMPT, steps=3))
 
 
-def test_shuffled_orders_accumulate_in_other_orders(built: Callable[[str], _Built], program_bundle: Any,
+def test_shuffled_orders_accumulate_in_other_orders(built: Callable[..., Built], program_bundle: Any,
                                                     tmp_path: Path) -> None:
     """Random valid orders of the fused tables (the gate/up tasks of a layer, hence their atomic
     adds, in other orders each time) give the reference's numbers within the tolerance."""
@@ -263,12 +206,12 @@ def test_shuffled_orders_accumulate_in_other_orders(built: Callable[[str], _Buil
         assert [t.label for t in tables["decode"] if ".gate_up[" in t.label] != canon
         f = write_tables(tmp_path / f"shuffled-{seed}.safetensors", p, tables)
         with b.session(path, tables=f) as s:
-            errs, got, exp = _run(s, b.lowered, 2)
-        assert max(errs) <= ATOL, (seed, errs)
-        assert got == exp
+            r = run_both(s, b.lowered, PROMPT, steps=2)
+        assert max(r["errors"]) <= ATOL, (seed, r["errors"])
+        assert r["tokens"] == r["ref_tokens"]
 
 
-def test_a_reader_that_misses_an_accumulator_is_refused_and_wrong(built: Callable[[str], _Built],
+def test_a_reader_that_misses_an_accumulator_is_refused_and_wrong(built: Callable[..., Built],
                                                                   program_bundle: Any, tmp_path: Path) -> None:
     """The negative control: the first layer's last gate/up task stops signalling (its event's
     targets one lower, so every count still matches). The validator refuses the table (a read of
@@ -293,12 +236,12 @@ def test_a_reader_that_misses_an_accumulator_is_refused_and_wrong(built: Callabl
     path = program_bundle(b.path, tmp_path / "weak.zlc", p)
     f = write_tables(tmp_path / "weak.safetensors", p, tables)
     with b.session(path, tables=f) as s:
-        errs, _, _ = _run(s, b.lowered, 1)
+        errs = run_both(s, b.lowered, PROMPT, steps=1)["errors"]
     assert errs[0] <= ATOL and errs[1] > 1e-3, errs
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma", "gpt2"])
-def test_fused_mlp_gives_hugging_faces_greedy_tokens(built: Callable[[str], _Built], program_bundle: Any,
+def test_fused_mlp_gives_hugging_faces_greedy_tokens(built: Callable[..., Built], program_bundle: Any,
                                                      tmp_path: Path, name: str) -> None:
     """The family oracle on the fused decode: 8 greedy tokens through the interpreter with the
     GPU-like tiling equal Hugging Face's `generate(do_sample=False)`."""
@@ -318,7 +261,7 @@ def test_the_c_kernel_refuses_the_fusion(lower_model: Any) -> None:
     program that does, in one line."""
     from zlc.codegen.native import NativeBuildError, render
 
-    low = lower_model(*FAMILY["llama"])
+    low = lower_model(*source("llama"))
     assert not tiling_for(None, 64, native=True).fuse_mlp_down
     p = schedule(low.decode, replace(tiling_for(None, 64, native=True), fuse_mlp_down=True), 64)
     with pytest.raises(NativeBuildError, match=r"^the native C kernel does not run the MLP split-K fusion"):

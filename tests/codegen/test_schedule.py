@@ -201,6 +201,29 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
         assert "attn_combine" not in _hist(q.tables["decode"])
 
 
+@pytest.mark.parametrize("target,heads,max_seq,splits", [
+    ("h200", 0, 512, 8),  # heads unknown: the context alone decides
+    ("h200", 9, 512, 8),  # SmolLM2: 72 tasks on 132 SMs
+    ("a10", 9, 512, 8),  # 72 on 72
+    ("h200", 32, 512, 4),  # the Llama-3.2-1B shape: 128 on 132, not 256
+    ("a10", 32, 512, 2),  # 64 on 72
+    ("h200", 32, 4096, 4),
+    ("h200", 128, 4096, 1),  # more heads than SMs: no split
+    ("h200", 4, 128, 2),  # splits of >= 64 keys
+    ("h200", 4, 64, 1),
+])
+def test_kv_splits_fill_the_sms_in_one_round(target: str, heads: int, max_seq: int, splits: int) -> None:
+    """Split-KV doubles while the splits keep >= 64 keys and one decode attention level (heads x
+    splits tasks) still fits the target's SMs in one round."""
+    assert tiling_for(get_target(target), max_seq, heads=heads).kv_splits == splits
+
+
+def test_the_build_sizes_splits_by_the_models_heads(tiny_lowered: Any) -> None:
+    from zlc.build import _query_heads
+
+    assert _query_heads(tiny_lowered.decode) == _llama_dims()["hq"]
+
+
 # ---- the validator on hand-built tables ----------------------------------------------------------
 
 def _task(label: str, *, waits: tuple[tuple[int, int], ...] = (), signal: int = -1, target: int = 0,

@@ -1,4 +1,4 @@
-"""Shared by the native kernel's tests: the zoo families, the comparison with the oracle, and a
+"""Shared by the native kernel's tests: the zoo families (tests/megakernel_cases.py's), the comparison with the oracle, and a
 writer of bundles whose native tiling is any `Program` (conftest.py holds the fixtures)."""
 
 from __future__ import annotations
@@ -9,17 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from megakernel_cases import ATOL, MODELS, PROMPT
 
-ATOL = 1e-4
-PROMPT = [1, 5, 9, 200, 17, 33, 2]
-MODELS = {  # id -> (zoo kind, family, opset): the families the megakernel tests use
-    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
-    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
-    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
-    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
-    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
-    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
-}
+__all__ = ["ATOL", "MODELS", "PROMPT", "Built", "assert_matches", "run_both", "write_native_bundle"]
 
 
 class Built:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from megakernel_cases import guarded_read
 from native_helpers import ATOL, PROMPT, Built, assert_matches, run_both
 
 from zlc import bundle as fmt
@@ -51,22 +52,13 @@ def _oracle(b: Built, prompt: list[int], steps: int) -> tuple[list[np.ndarray], 
     return out, feeds
 
 
-def _guarded_read(tasks: list[Task]) -> tuple[int, int]:
-    """(task, wait) of the first layer's first attention task and its wait on the q projection:
-    without it, attention reads q before it is written."""
-    sig = signalers(tasks)
-    i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
-    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
-    return i, w
-
-
 def _weakened(b: Built) -> tuple[Any, dict[str, list[Task]], dict[str, tuple[int, set[str]]]]:
     """(program, its tables with the guarded wait dropped, per mode: (victim index, labels of
     the producers it no longer waits for)); the validator refuses every weakened table."""
     p = b.program()
     tables, victims = {}, {}
     for mode, tasks in p.tables.items():
-        i, w = _guarded_read(tasks)
+        i, w = guarded_read(tasks)
         victims[mode] = (i, {tasks[j].label for j in signalers(tasks)[tasks[i].waits[w][0]]})
         tables[mode] = drop_wait(tasks, i, w)
         with pytest.raises(TableError, match=rf"task {i} \({re.escape(tasks[i].label)}\) reads .* without a dependency"):

@@ -1,0 +1,29 @@
+"""What the megakernel's tests share across its two executors (tests/codegen: the Triton kernel in
+the interpreter; tests/native: the C kernel): the zoo models, one per architecture switch, the
+prompt and the tolerance against the reference executor, and the wait the negative controls drop."""
+
+from __future__ import annotations
+
+from zlc import bundle as fmt
+from zlc.codegen.program import Task
+from zlc.codegen.schedule import signalers
+
+ATOL = 1e-4
+PROMPT = [1, 5, 9, 200, 17, 33, 2]
+MODELS = {  # id -> (zoo kind, family, opset)
+    "llama": ("stateless", "llama", 20),  # GQA, SwiGLU, RMSNorm, RoPE, untied head
+    "gpt2": ("stateless", "gpt2", 20),  # MHA, GELU MLP + biases, LayerNorm, learned positions, tied head
+    "gemma": ("stateless", "gemma", 20),  # GQA, gelu-tanh gated MLP, embedding scale, tied head
+    "phi3-genai": ("genai", "phi3", None),  # onnxruntime-genai route (GroupQueryAttention), untied
+    "qwen2-optimum": ("optimum_kv", "qwen2", 20),  # optimum KV-cache export, q/k/v biases, untied
+    "bloom": ("stateless", "bloom", 20),  # ALiBi slopes, LayerNorm on the embeddings, MHA, tied head
+}
+
+
+def guarded_read(tasks: list[Task]) -> tuple[int, int]:
+    """(task, wait) of the first layer's first attention task and its wait on the q projection:
+    without it, attention reads q before it is written."""
+    sig = signalers(tasks)
+    i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
+    w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
+    return i, w
