@@ -143,7 +143,7 @@ def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFac
         mma = sum(b.mma_loops for b in pre.bodies.values() if b.op == "linear")
         add("prefill keeps tensor-core tiles", f"{mma} MMA loops in the prefill kernel's linear body", mma > 0,
             "no MMA loop in the prefill linear body")
-    add(f"predicted decode <= {FLOOR_RATIO_TARGET}x the HBM floor", *_floor_verdict(pred, lp))
+    add(f"predicted decode <= {FLOOR_RATIO_TARGET}x the HBM floor", *_floor_verdict(pred, lp, int(dm["levels"])))
     return out
 
 
@@ -156,10 +156,11 @@ def min_level_us(lp: LatencyParams) -> float:
     return lp.fence_us + lp.sync_us + lp.l2_us
 
 
-def _floor_verdict(pred: Prediction, lp: LatencyParams) -> tuple[str, bool, str]:
+def _floor_verdict(pred: Prediction, lp: LatencyParams, step_levels: int) -> tuple[str, bool, str]:
     """Predicted vs floor, and where missed the critical path's terms: streaming, and the fixed
     cost per level term by term (the largest first), against the budget the target leaves; and
-    whether any kernel with this many levels could meet it (the sync-only bound)."""
+    whether any kernel with the step's `step_levels` dependency levels could meet it (the
+    sync-only bound: its longest chain of waits has that many tasks, whatever path binds)."""
     launch = lp.launch_us
     ratio = pred.us["central"] / max(pred.floor_us["central"], 1e-9)
     crit = pred.critical
@@ -174,9 +175,9 @@ def _floor_verdict(pred: Prediction, lp: LatencyParams) -> tuple[str, bool, str]
            + f" µs per level), launch {launch:g} µs; the target leaves {budget:,.0f} µs "
            f"({budget / lv:.2f} µs per level if nothing streamed)")
     least = min_level_us(lp)
-    bound = launch + lv * least
+    bound = launch + step_levels * least
     if bound > budget:  # no work per level, no overlap lost, and still over: the level count stops it
-        why += (f"; unreachable at {lv} levels: even at the least a level costs ({least:.2f} µs: release fence "
+        why += (f"; unreachable at {step_levels} levels: even at the least a level costs ({least:.2f} µs: release fence "
                 f"{lp.fence_us:g}, signal to poll {lp.sync_us:g}, first activation {lp.l2_us:g}) the levels "
                 f"alone take {bound:,.0f} µs; {FLOOR_RATIO_TARGET}x the floor allows at most "
                 f"{max(0, int((budget - launch) // least))} levels")

@@ -337,11 +337,11 @@ def test_a_level_count_too_high_for_the_floor_target_is_called_unreachable(level
 
     lp = params_for("h200", "central")
     assert min_level_us(lp) == pytest.approx(lp.fence_us + lp.sync_us + lp.l2_us)
-    crit = {"length": levels, "levels": levels, "us": {"fixed": 300.0, "sync": 60.0, "stream": 30.0},
-            "terms_us": {"signal_to_poll": levels * 0.35, "poll_round_trips": levels * 0.3}}
+    crit = {"length": 94, "levels": 94, "us": {"fixed": 300.0, "sync": 60.0, "stream": 30.0},  # a shorter path binds
+            "terms_us": {"signal_to_poll": 94 * 0.35, "poll_round_trips": 94 * 0.3}}
     pred = Prediction("h200", 512, {"low": 300.0, "central": 390.0, "high": 600.0},
                       {"low": 65.0, "central": 68.1, "high": 75.0}, 0, None, {}, {}, crit, 0.2, [], 0, 0.0)
-    value, met, why = _floor_verdict(pred, lp)
+    value, met, why = _floor_verdict(pred, lp, levels)
     assert not met and value.endswith("5.7x")
     budget = 1.6 * 68.1
     assert ("unreachable at" in why) == unreachable == (lp.launch_us + levels * min_level_us(lp) > budget)
