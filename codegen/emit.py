@@ -119,6 +119,11 @@ class GemvBody:
     # a cubin built for the other tilings compiles the body out (the interpreter tiling's bodies
     # were registers, instructions and spills in every GPU kernel that never ran them)
     for_block_n: tuple[int, ...] = ()
+    # the activation and LM-head flag (descriptor words 13, 14) where every task of the shape has
+    # the same (-1: read at run time): literals compile out the branches not taken and free the
+    # registers that held them (the Llama-1B shape's sm_90 decode kernel spilled 4 B without)
+    act: int = -1
+    lm: int = -1
 
     @property
     def block_n_guard(self) -> str:
@@ -239,6 +244,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
     both, so tiny models unroll into many chunks prefetched a few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
     shapes: dict[tuple[int, ...], set[int]] = {}  # shape -> the block_n of the tilings asking for it
+    flags: dict[tuple[int, ...], set[tuple[int, int]]] = {}  # shape -> its tasks' (activation, LM head)
     for p in programs:
         # decode's rows only: the prefill kernel takes the generic body (SPECIALIZED False), so a
         # body only prefill's descriptors ask for (the MLP down, once fused into gate/up in decode)
@@ -251,10 +257,13 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 shape = (int(di[2]), norm, int(norm == 2 and int(di[12]) >= 0), int(int(di[5]) >= 0),
                          int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0)
                 shapes.setdefault(shape, set()).add(p.tiling.block_n)
+                flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0)))
     every = {p.tiling.block_n for p in programs}
     out = []
-    for (k, norm, lnb, gtd, head_d, down, down_ld), users in sorted(shapes.items()):
+    for shape, users in sorted(shapes.items()):
+        k, norm, lnb, gtd, head_d, down, down_ld = shape
         ln_bias, gated = bool(lnb), bool(gtd)
+        acts, lms = {a for a, _ in flags[shape]}, {m for _, m in flags[shape]}
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
@@ -268,7 +277,8 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         issue = _down_issue([c.size * block_n * item * (2 if gated else 1) for c in chunks], depth,
                             [c.size * block_n * item for c in d_chunks], prefetch_bytes)
         out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
-                            d_chunks, issue, () if users == every else tuple(sorted(users))))
+                            d_chunks, issue, () if users == every else tuple(sorted(users)),
+                            acts.pop() if len(acts) == 1 else -1, lms.pop() if len(lms) == 1 else -1))
     return out
 
 
