@@ -260,10 +260,10 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0)))
     every = {p.tiling.block_n for p in programs}
     out = []
-    for shape, users in sorted(shapes.items()):
-        k, norm, lnb, gtd, head_d, down, down_ld = shape
+    for key, users in sorted(shapes.items()):
+        k, norm, lnb, gtd, head_d, down, down_ld = key
         ln_bias, gated = bool(lnb), bool(gtd)
-        acts, lms = {a for a, _ in flags[shape]}, {m for _, m in flags[shape]}
+        acts, lms = {a for a, _ in flags[key]}, {m for _, m in flags[key]}
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue

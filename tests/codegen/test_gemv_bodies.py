@@ -50,3 +50,15 @@ def test_a_body_only_some_tilings_dispatch_is_guarded_by_their_block_n() -> None
     assert by["_gemv_k2048"].block_n_guard == "(BLOCK_N == 128)"
     assert by["_gemv_k2048_merged_d64"].block_n_guard == "(BLOCK_N == 32)"
     assert all(g.block_n_guard == "" for g in gemv_bodies([gpu], "bf16", 32))  # one tiling: nothing to select
+
+
+def test_a_shape_whose_tasks_share_the_activation_and_lm_flag_gets_them_as_literals() -> None:
+    """Descriptor words 13 (activation) and 14 (LM head) become literals in a body when every task
+    of its shape has the same, else stay loads: an LM head sharing its shape with q/k/v projections
+    keeps lm a load, a gate/up body whose tasks are all silu gets act 1 and lm 0."""
+    p = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, True, -1))
+    p.desc_int[1][14] = 1  # the second plain task is an LM head
+    p.desc_int[2][13] = pg.ACTIVATIONS["silu"]
+    by = {g.gated: g for g in gemv_bodies([p], "bf16", 32)}
+    assert (by[False].act, by[False].lm) == (0, -1)
+    assert (by[True].act, by[True].lm) == (pg.ACTIVATIONS["silu"], 0)
