@@ -124,6 +124,7 @@ class GemvBody:
     # registers that held them (the Llama-1B shape's sm_90 decode kernel spilled 4 B without)
     act: int = -1
     lm: int = -1
+    copy: int = -1  # word 23 likewise (1: the output also initializes a fused MLP down's accumulator)
 
     @property
     def block_n_guard(self) -> str:
@@ -244,7 +245,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
     both, so tiny models unroll into many chunks prefetched a few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
     shapes: dict[tuple[int, ...], set[int]] = {}  # shape -> the block_n of the tilings asking for it
-    flags: dict[tuple[int, ...], set[tuple[int, int]]] = {}  # shape -> its tasks' (activation, LM head)
+    flags: dict[tuple[int, ...], set[tuple[int, int, int]]] = {}  # shape -> its tasks' (activation, LM head, copy)
     for p in programs:
         # decode's rows only: the prefill kernel takes the generic body (SPECIALIZED False), so a
         # body only prefill's descriptors ask for (the MLP down, once fused into gate/up in decode)
@@ -257,13 +258,13 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 shape = (int(di[2]), norm, int(norm == 2 and int(di[12]) >= 0), int(int(di[5]) >= 0),
                          int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0)
                 shapes.setdefault(shape, set()).add(p.tiling.block_n)
-                flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0)))
+                flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0), int(di[23]) if len(di) > 23 else 0))
     every = {p.tiling.block_n for p in programs}
     out = []
     for key, users in sorted(shapes.items()):
         k, norm, lnb, gtd, head_d, down, down_ld = key
         ln_bias, gated = bool(lnb), bool(gtd)
-        acts, lms = {a for a, _ in flags[key]}, {m for _, m in flags[key]}
+        acts, lms, copies = ({f[i] for f in flags[key]} for i in range(3))
         chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
         if chunks is None:
             continue
@@ -278,7 +279,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                             [c.size * block_n * item for c in d_chunks], prefetch_bytes)
         out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
                             d_chunks, issue, () if users == every else tuple(sorted(users)),
-                            acts.pop() if len(acts) == 1 else -1, lms.pop() if len(lms) == 1 else -1))
+                            *(v.pop() if len(v) == 1 else -1 for v in (acts, lms, copies))))
     return out
 
 
