@@ -57,8 +57,7 @@ def tiling_for(target: Any, max_seq: int, *, native: bool = False, heads: int = 
     # attention task is mostly fixed latency (its waits, the first key block's round trip, the
     # release), so once heads x splits outgrow the SMs the level takes a second round of tasks
     # that each save only a few key blocks: the Llama-3.2-1B shape (32 heads) on 132 SMs takes 4
-    # splits, not 8 (kernel_stats: that level 8.9 -> ~6 us per layer on h200), and the merged o
-    # projection's body merging 4 partials, not 8, fits the sm_86 register budget without spills.
+    # splits, not 8 (kernel_stats: that level 8.9 -> 5.2 us per layer on h200), on 72 SMs 2.
     splits = 1
     while splits < 8 and max_seq // (splits * 2) >= 64 and (heads <= 0 or heads * splits * 2 <= target.sms):
         splits *= 2
