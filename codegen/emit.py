@@ -125,6 +125,9 @@ class GemvBody:
     act: int = -1
     lm: int = -1
     copy: int = -1  # word 23 likewise (1: the output also initializes a fused MLP down's accumulator)
+    # the LM head's own block of columns (Tiling.lm_block_n) where wider than BLOCK_N: the body is
+    # called with it as its BLOCK_N, so the same code streams block_n (= wide) columns per task
+    wide: int = 0
 
     @property
     def block_n_guard(self) -> str:
@@ -135,7 +138,12 @@ class GemvBody:
     def name(self) -> str:
         return (f"_gemv_k{self.k}" + ("", "_rms", "_ln", "_merged")[self.norm] + ("b" if self.ln_bias else "")
                 + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else "")
-                + (f"_down{self.down}x{self.down_ld}" if self.down else ""))
+                + (f"_down{self.down}x{self.down_ld}" if self.down else "") + (f"_lm{self.wide}" if self.wide else ""))
+
+    def rotation(self, v: str) -> str:
+        """The wide body's rolled loop carries the chunks in flight: `w_0, w_1 = w_1, w_2` at depth 2."""
+        old = ", ".join(f"{v}_{j}" for j in range(self.depth))
+        return f"{old} = {', '.join(f'{v}_{j + 1}' for j in range(self.depth))}"
 
     @property
     def down_sizes(self) -> str:
@@ -255,32 +263,45 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 di = p.desc_int[t.desc]
                 norm = int(di[10])
                 down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
+                lm_wide = int(di[14]) != 0 and t.b - t.a > p.tiling.block_n  # an LM-head task of lm_block_n
+                wide = p.tiling.lm_block_n if lm_wide and p.tiling.lm_block_n else 0
                 shape = (int(di[2]), norm, int(norm == 2 and int(di[12]) >= 0), int(int(di[5]) >= 0),
-                         int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0)
+                         int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0, wide)
                 shapes.setdefault(shape, set()).add(p.tiling.block_n)
                 flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0), int(di[23]) if len(di) > 23 else 0))
     every = {p.tiling.block_n for p in programs}
     out = []
     for key, users in sorted(shapes.items()):
-        k, norm, lnb, gtd, head_d, down, down_ld = key
+        k, norm, lnb, gtd, head_d, down, down_ld, wide = key
         ln_bias, gated = bool(lnb), bool(gtd)
         acts, lms, copies = ({f[i] for f in flags[key]} for i in range(3))
-        chunks = chunk_plan(k, min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk)
-        if chunks is None:
+        bn = wide or block_n
+        # a wide body's chunks hold as many weights as block_n's (fewer columns of more rows), down
+        # to chunk_plan's 32 columns
+        cap = min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk
+        chunks = chunk_plan(k, min(cap, max(32, cap * block_n // bn)))
+        if chunks is None or (wide and not _rolls(chunks, norm, gated, down)):
             continue
         depth, got = 0, 0
         while depth < len(chunks) and got < prefetch_bytes:
-            got += chunks[depth].size * block_n * item * (2 if gated else 1)
+            got += chunks[depth].size * bn * item * (2 if gated else 1)
             depth += 1
         d_chunks = chunk_plan(down, min(max_chunk, DOWN_MAX_ROWS)) if down else ()
         if d_chunks is None:
             continue  # rows that do not split into chunks: the generic body
-        issue = _down_issue([c.size * block_n * item * (2 if gated else 1) for c in chunks], depth,
-                            [c.size * block_n * item for c in d_chunks], prefetch_bytes)
-        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, block_n, item, head_d, down, down_ld,
+        issue = _down_issue([c.size * bn * item * (2 if gated else 1) for c in chunks], depth,
+                            [c.size * bn * item for c in d_chunks], prefetch_bytes)
+        out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, bn, item, head_d, down, down_ld,
                             d_chunks, issue, () if users == every else tuple(sorted(users)),
-                            *(v.pop() if len(v) == 1 else -1 for v in (acts, lms, copies))))
+                            *(v.pop() if len(v) == 1 else -1 for v in (acts, lms, copies)), wide=wide))
     return out
+
+
+def _rolls(chunks: tuple[Chunk, ...], norm: int, gated: bool, down: int) -> bool:
+    """Whether the LM head's wide body (a rolled loop over equal chunks: unrolled, its many small
+    chunks' loads were hoisted by ptxas and spilled on sm_86) covers the shape: one matrix, no fused
+    down, a norm (or none) but not a merged split-KV row; the generic body takes the rest."""
+    return len({c.size for c in chunks}) == 1 and not gated and not down and norm != pg.NORM_COMBINE
 
 
 def _down_issue(up: list[int], depth: int, down: list[int], prefetch_bytes: int) -> tuple[tuple[int, ...], ...]:

@@ -15,6 +15,7 @@ DRAM bytes over the measured HBM bandwidth.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -103,6 +104,9 @@ class ShapeInfo:
 def task_shapes(code: KernelCode, tables: TableFacts, context: int, l2_mb: float) -> tuple[list[TaskShape], ShapeInfo]:
     """The simulation's input for every decode task (see the module docstring)."""
     tabs = tables.tables
+    # the most bytes one L2 prefetch requests on this target (the kernel's PREFETCH; a bundle from
+    # before the cap has none: the task's whole rows)
+    pf_cap = (tabs.man.get("targets", {}).get(code.target, {}).get("l2_prefetch") or {}).get("bytes") or math.inf
     ev = tabs.evaluator(MODE_DECODE, context, step=MODE_DECODE)
     rows = tabs.rows(MODE_DECODE)
     waits = waits_of(rows)
@@ -141,7 +145,7 @@ def task_shapes(code: KernelCode, tables: TableFacts, context: int, l2_mb: float
         unpriced += not priced
         ctrl += c
         s.op, s.waits, s.level = r["op"], waits[i], tables.levels["decode"][i]
-        s.l2_bytes = float(min(tr.weights[i], _prefetchable(tabs, r)))
+        s.l2_bytes = float(min(tr.weights[i], _prefetchable(tabs, r), pf_cap))
         if i in last_of_group:
             s.fences += group.fences
             s.invalidations += group.l1_invalidations

@@ -112,6 +112,11 @@ class Tiling:
     # columns, adding partials into the MLP output with float atomics; the residual's producer
     # initializes that accumulator (docs/megakernel.md, "MLP split-K")
     fuse_mlp_down: bool = False
+    # The LM head's columns per task where they differ from block_n (0: block_n). A decode LM-head
+    # task never waits (its input was ready a level earlier), so what it costs besides its stream
+    # (the claim, its row, the signal) is paid per task: the GPU tiling's 256 columns are 8x fewer
+    # tasks than block_n's (Llama-1B shape: 501, not 4,008) and one argmax round trip
+    lm_block_n: int = 0
 
     def constexprs(self) -> dict[str, int | str]:
         return {"BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "BLOCK_KD": self.block_kd, "BLOCK_T": self.block_t,

@@ -63,7 +63,8 @@ def tiling_for(target: Any, max_seq: int, *, native: bool = False, heads: int = 
         splits *= 2
     return Tiling(block_n=32, block_k=64, block_kd=32, block_t=16, block_kv=32, block_e=256, max_linear_tasks=0,
                   kv_splits=splits, chunk=min(128, max_seq), num_warps=8, grid=target.sms,
-                  dot_precision="tf32x3", fuse_kv_append=True, fuse_combine=True, fuse_mlp_down=True)
+                  dot_precision="tf32x3", fuse_kv_append=True, fuse_combine=True, fuse_mlp_down=True,
+                  lm_block_n=256)
 
 
 # ---- events ------------------------------------------------------------------------------------

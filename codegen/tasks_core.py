@@ -190,9 +190,10 @@ class TaskBuilderCore:
         if out is None:
             out = self.buffer(label, n)
         t = self.t
-        nblocks = -(-n // t.block_n)
+        bn = t.lm_block_n if lm and t.lm_block_n else t.block_n
+        nblocks = -(-n // bn)
         per = 1 if not t.max_linear_tasks else -(-nblocks // t.max_linear_tasks)
-        ranges = [(b * t.block_n, min(n, (b + per) * t.block_n)) for b in range(0, nblocks, per)]
+        ranges = [(b * bn, min(n, (b + per) * bn)) for b in range(0, nblocks, per)]
         partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
         d = self.desc(label, {
             0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node) + at,

@@ -210,24 +210,23 @@ def _aot(b: Build) -> None:
         # Two kernels from the one source, per target: STEP picks the prefill or the decode bodies,
         # so neither carries the other's registers (docs/megakernel.md, "Two kernels").
         builds = [k for k in _BUILDS if k == "release" or b.debug_waits]
-        # PREFETCH: the decode kernel requests the next task's weights into L2 (inline PTX, which
-        # the interpreter cannot run: it keeps the default 0), on targets whose L2 holds them
-        # (l2_prefetch; docs/megakernel.md); the prefill kernel compiles it out
+        # PREFETCH: the decode kernel requests up to that many bytes of the next task's weights
+        # into L2 (inline PTX, which the interpreter cannot run: it keeps the default 0), sized per
+        # target to its L2 (l2_prefetch; docs/megakernel.md); the prefill kernel compiles it out
         prefetch = {t.name: l2_prefetch(gp, t, b.wdtype) for t in gpu_targets}
-        groups = {on: [t for t in gpu_targets if prefetch[t.name]["on"] == on] for on in (True, False)}
-        jobs = [(kind, step, build, on) for kind, step in (("decode", MODE_DECODE), ("prefill", MODE_PREFILL))
-                for build in builds for on in (True, False) if (groups[on] and kind == "decode") or
-                (kind == "prefill" and not on)]
+        caps = sorted({int(p["bytes"]) for p in prefetch.values()})  # one decode kernel per cap (0: none)
+        jobs = [("decode", MODE_DECODE, build, cap) for build in builds for cap in caps] + \
+               [("prefill", MODE_PREFILL, build, 0) for build in builds]
         for t in gpu_targets:
             b.report("aot", f"{t.name}: L2 prefetch of the next task's weights {'on' if prefetch[t.name]['on'] else 'off'}: "
                             f"{prefetch[t.name]['why']}")
 
-        def run(job: tuple[str, int, str, bool]) -> list[Any]:
-            kind, step, build, on = job
-            targets = groups[on] if kind == "decode" else gpu_targets
+        def run(job: tuple[str, int, str, int]) -> list[Any]:
+            kind, step, build, cap = job
+            targets = [t for t in gpu_targets if prefetch[t.name]["bytes"] == cap] if kind == "decode" else gpu_targets
             what = kind if build == "release" else f"{kind} ({build})"
             b.report("aot", f"{what} kernel: {', '.join(t.name for t in targets)} (ptxas)")
-            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, "PREFETCH": int(on), **_BUILDS[build]}
+            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, "PREFETCH": cap, **_BUILDS[build]}
             results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), consts, targets,
                                      num_warps=gp.tiling.num_warps,
                                      on_progress=lambda s: b.report("aot", f"{what}: {s}"))
@@ -264,20 +263,27 @@ def _aot(b: Build) -> None:
 
 
 def l2_prefetch(prog: Any, target: Any, wdtype: str) -> dict[str, Any]:
-    """Whether `target`'s decode kernel prefetches the next task's weights into L2 (PREFETCH): when
-    one such prefetch per program, of the decode step's mean size, fits in half its L2 (the other
-    half for the KV cache, activations and partials; docs/kernel-model.md prices the excess as
-    evicted before use: its bytes cross HBM twice)."""
+    """Whether, and how much of, the next task's weights `target`'s decode kernel prefetches into L2
+    (PREFETCH: the most bytes one prefetch requests, 0 for none): half the L2 shared by one
+    prefetch per program (the other half for the KV cache, activations and partials;
+    docs/kernel-model.md prices lines beyond it as evicted before use: their bytes cross HBM
+    twice), on where that share is at least what a task requests into its registers before its
+    wait (emit.PREFETCH_BYTES): below it the L2 prefetch adds little but its instructions."""
+    from zlc.codegen.emit import PREFETCH_BYTES
     from zlc.codegen.program import PF_UNIT
 
     item = 4 if wdtype == "fp32" else 2
     sizes = [r[1] * PF_UNIT * item * (2 if r[2] >= 0 else 1)
              for r in (prog.prefetch_record(t) for t in prog.tables["decode"]) if r[1] > 0]
     mean = sum(sizes) / len(sizes) if sizes else 0.0
-    need, have = mean * target.sms, target.l2_mb * 1e6 / 2
-    on = 0 < need <= have
-    return {"on": on, "why": f"{target.sms} programs x {mean / 1e3:.0f} KB per prefetch (the decode step's mean) = "
-                             f"{need / 1e6:.1f} MB {'<=' if on else '>'} half the L2 ({have / 1e6:.0f} MB)"}
+    have = target.l2_mb * 1e6 / 2
+    share = int(have / target.sms) // 1024 * 1024
+    on = bool(sizes) and share >= PREFETCH_BYTES
+    return {"on": on, "bytes": share if on else 0,
+            "why": f"half the L2 ({have / 1e6:.0f} MB) over {target.sms} programs = {share / 1024:.0f} KB per prefetch "
+                   f"{'>=' if on else '<'} {PREFETCH_BYTES / 1024:.0f} KB (a task's own requests before its wait); "
+                   f"the decode step's tasks prefetch {mean / 1024:.0f} KB each on average"
+                   + (f", at most {share / 1024:.0f} KB" if on else "")}
 
 
 def _kernel_entry(root: Path, r: Any, kind: str, build: str) -> dict[str, Any]:

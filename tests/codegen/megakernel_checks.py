@@ -53,11 +53,11 @@ class Built:
 
 
 def gpu_like(max_seq: int = 64, **kw: Any) -> pg.Tiling:
-    """The cpu tiling with the GPU's shape of work: one block of 16 columns per Linear task, 2 KV
-    splits of 16 keys merged by the o projection, decode attention appending the step's k/v
-    itself; `kw` overrides fields (e.g. fuse_mlp_down=True)."""
-    fields: dict[str, Any] = {"block_n": 16, "max_linear_tasks": 0, "kv_splits": 2, "block_kv": 16,
-                              "fuse_kv_append": True, "fuse_combine": True}
+    """The cpu tiling with the GPU's shape of work: one block of 16 columns per Linear task (the
+    LM head's 64), 2 KV splits of 16 keys merged by the o projection, decode attention appending
+    the step's k/v itself; `kw` overrides fields (e.g. fuse_mlp_down=True)."""
+    fields: dict[str, Any] = {"block_n": 16, "lm_block_n": 64, "max_linear_tasks": 0, "kv_splits": 2,
+                              "block_kv": 16, "fuse_kv_append": True, "fuse_combine": True}
     return replace(tiling_for(get_target("cpu"), max_seq), **{**fields, **kw})
 
 

@@ -16,8 +16,9 @@ def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32) -> SimpleNa
         di = [0] * 16
         di[2], di[5], di[10], di[12] = k, (4096 if gated else -1), norm, f12
         desc.append(di)
-        tasks.append(SimpleNamespace(op=fmt.OP_LINEAR, desc=i))
-    return SimpleNamespace(tables={"decode": tasks}, desc_int=desc, tiling=SimpleNamespace(block_n=block_n))
+        tasks.append(SimpleNamespace(op=fmt.OP_LINEAR, desc=i, a=0, b=block_n))
+    return SimpleNamespace(tables={"decode": tasks}, desc_int=desc,
+                           tiling=SimpleNamespace(block_n=block_n, lm_block_n=0))
 
 
 def test_long_gated_rows_unroll_in_smaller_chunks_with_the_same_bytes_in_flight() -> None:
@@ -62,3 +63,21 @@ def test_a_shape_whose_tasks_share_the_activation_and_lm_flag_gets_them_as_liter
     by = {g.gated: g for g in gemv_bodies([p], "bf16", 32)}
     assert (by[False].act, by[False].lm) == (0, -1)
     assert (by[True].act, by[True].lm) == (pg.ACTIVATIONS["silu"], 0)
+
+
+def test_the_lm_heads_wider_tasks_get_their_own_body_with_the_same_bytes_per_chunk() -> None:
+    """Tiling.lm_block_n: LM-head tasks wider than BLOCK_N take a body of their own, called with that
+    width as its BLOCK_N (so `_lm256` streams 256 columns per task), its chunks as many weights as
+    the narrow body's (32 columns of 256 rows, not 256 of 32) and its LM flag a literal; the q/k/v
+    projections sharing K and norm keep the narrow body, now without LM-head tasks."""
+    p = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, False, -1))
+    p.desc_int[1][14] = 1
+    p.tables["decode"][1].b = 256
+    p.tiling.lm_block_n = 256
+    by = {g.name: g for g in gemv_bodies([p], "bf16", 32)}
+    assert set(by) == {"_gemv_k2048_rms", "_gemv_k2048_rms_lm256"}
+    narrow, wide = by["_gemv_k2048_rms"], by["_gemv_k2048_rms_lm256"]
+    assert (narrow.wide, narrow.block_n, narrow.lm) == (0, 32, 0)
+    assert (wide.wide, wide.block_n, wide.lm) == (256, 256, 1)
+    assert {c.size for c in narrow.chunks} == {MAX_CHUNK} and {c.size for c in wide.chunks} == {32}
+    assert narrow.inflight_kb == wide.inflight_kb == 32.0

@@ -189,12 +189,12 @@ def test_registers_and_opcodes_equal_cuobjdump(bundle: Path, report: dict[str, A
 def test_matrix_vector_reads_weights_wide_and_before_the_wait(bundle: Path, report: dict[str, Any],
                                                               target: str) -> None:
     """Every Linear task takes a specialized body (K 64; RMS-normed, gated with the MLP down fused,
-    or plain), reads its weights with LDG.E.128 only, and requests its whole weight slice (the fused
-    down's columns too) before it polls."""
+    plain, or the LM head's 256-column one), reads its weights with LDG.E.128 only, and requests
+    its whole weight slice (the fused down's columns too) before it polls."""
     mv = _matvec(report, target)
     src = (bundle / "kernel.py").read_text()
     variants = {v for c in mv for v in c["variants"]}
-    assert variants == {"_gemv_k64_rms", "_gemv_k64_rms_gated_down64x128", "_gemv_k64"}
+    assert variants == {"_gemv_k64_rms", "_gemv_k64_rms_gated_down64x128", "_gemv_k64", "_gemv_k64_rms_lm256"}
     assert all(f"def {v}(" in src for v in variants)
     tables = json.loads((bundle / "tables" / "gpu.json").read_text())["tables"]["decode"]
     assert sum(c["tasks"] for c in mv) == sum(t["op"] == 1 for t in tables)
@@ -202,8 +202,9 @@ def test_matrix_vector_reads_weights_wide_and_before_the_wait(bundle: Path, repo
         p = c["path"]
         assert set(c["weight_opcodes"]) == {WIDE}, c
         # 16 bytes per thread per matrix (a gated body streams two, + the fused down's [64, 32]
-        # columns), x 256 threads: the slice
-        assert c["weight_opcodes"][WIDE] == (3 if "gated" in c["variants"][0] else 1)
+        # columns; the LM head's [256, 64] rows are 8 loads), x 256 threads: the slice
+        v = c["variants"][0]
+        assert c["weight_opcodes"][WIDE] == (3 if "gated" in v else 8 if v.endswith("_lm256") else 1)
         assert c["in_flight_bytes"] == c["prefetch_bytes"] == c["weight_bytes"] == c["weight_opcodes"][WIDE] * 16 * 256
         assert p["waits_in_body"] and p["polls"] == 1 and p["prefetch_per_thread"] > 0
         assert p["pre_rt"] < p["poll_rt"]  # the weights leave before the poll does
@@ -257,7 +258,7 @@ def test_decode_kernel_prefetches_the_next_tasks_weights_into_l2(bundle: Path, r
 def test_tables_levels_tasks_and_bytes(bundle: Path, report: dict[str, Any]) -> None:
     dec = report["tables"]["gpu"]["modes"]["decode"]
     readable = json.loads((bundle / "tables" / "gpu.json").read_text())["tables"]["decode"]
-    assert dec["tasks"] == len(readable) == 38
+    assert dec["tasks"] == len(readable) == 31  # the LM head's 256 columns in one task (lm_block_n), not 8
     assert dec["levels"] == _longest_path(readable) == 11  # 4 per layer + embed, final norm/head, argmax
     assert (dec["levels_per_layer"], dec["levels_outside_layers"]) == (4, 3)
     assert dec["tasks_by_op"]["linear"] == sum(t["op"] == 1 for t in readable)

@@ -103,7 +103,8 @@ def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bund
     LayerNorm statistics merged chunk by chunk, split-KV partials merged as the o projection loads
     its row) on the GPU tiling's shape of work: one block of columns per task, and rows unrolled
     into 32-column chunks so every body runs several chunks with loads in flight ahead (llama:
-    RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh gate)."""
+    RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh gate); the LM head's wider tasks
+    in the rolled body (its loop, then its last chunk)."""
     from zlc.codegen.emit import gemv_bodies
 
     b = built(name)
@@ -113,6 +114,7 @@ def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bund
     bodies = gemv_bodies([p], "fp32", t.block_n, **small)
     assert bodies and all(len(g.chunks) >= 2 for g in bodies)
     assert any(g.depth < len(g.chunks) for g in bodies), "some body must prefetch ahead, not all at once"
+    assert [g.wide for g in bodies if g.wide] == [64]  # the LM head's rolled body, over 64-column tasks
     # the norm kinds: RMS (or Layer), none (the MLP down projection), merged (the o projection)
     assert {g.norm for g in bodies} >= ({1, 0, 3} if name != "gpt2" else {2, 0, 3})
     path = program_bundle(b.path, work / f"{name}-gemv.zlc", p, **small)

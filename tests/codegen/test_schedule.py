@@ -46,9 +46,10 @@ def _hist(tasks: list[Task]) -> dict[str, int]:
     return h
 
 
-def _linear_tasks(n: int, t: Tiling) -> int:
-    """Tasks of one Linear with n output columns: blocks of block_n, at most max_linear_tasks."""
-    blocks = math.ceil(n / t.block_n)
+def _linear_tasks(n: int, t: Tiling, lm: bool = False) -> int:
+    """Tasks of one Linear with n output columns: blocks of block_n (the LM head's: lm_block_n where
+    set), at most max_linear_tasks."""
+    blocks = math.ceil(n / (t.lm_block_n if lm and t.lm_block_n else t.block_n))
     per = 1 if not t.max_linear_tasks else math.ceil(blocks / t.max_linear_tasks)
     return math.ceil(blocks / per)
 
@@ -70,7 +71,7 @@ def _expected_hist(t: Tiling, mode: str) -> dict[str, int]:
         attention = m["layers"] * m["hq"] * math.ceil(t.chunk / t.block_t)  # heads x query blocks
     else:
         attention = m["layers"] * m["hq"] * t.kv_splits
-    h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t), "attention": attention,
+    h = {"embed": 1, "linear": m["layers"] * lin + _linear_tasks(m["vocab"], t, lm=True), "attention": attention,
          "argmax": 1}
     if mode == "prefill" or not t.fuse_kv_append:  # fused: decode attention reads the step's k/v itself
         h["cache_append"] = m["layers"] * m["hkv"]
@@ -93,8 +94,8 @@ def test_task_histogram_follows_model_dims(tiny_lowered: Any, target: str) -> No
 @pytest.mark.parametrize("target", TILINGS)
 def test_tasks_per_projection(tiny_lowered: Any, target: str) -> None:
     """Each projection is tiled into ceil(blocks / per-task blocks) tasks over its output columns
-    (h100: one 32-column block per task, so the 64-column q projection is 2 tasks), and the tasks
-    cover its columns exactly once."""
+    (h100: one 32-column block per task, so the 64-column q projection is 2 tasks; the LM head's
+    256-column block), and the tasks cover its columns exactly once."""
     p = _program(tiny_lowered, target)
     if target == "h100":
         assert p.tiling.max_linear_tasks == 0
@@ -113,7 +114,7 @@ def test_tasks_per_projection(tiny_lowered: Any, target: str) -> None:
             if mode == "decode" and p.tiling.fuse_mlp_down and name.endswith(".down"):
                 assert not mine, name  # fused into the gate/up tasks (MLP split-K)
                 continue
-            assert len(mine) == _linear_tasks(cols, p.tiling), (mode, name)
+            assert len(mine) == _linear_tasks(cols, p.tiling, lm=name == "lm_head"), (mode, name)
             covered = sorted((t.a, t.b) for t in mine)
             assert covered[0][0] == 0 and covered[-1][1] == cols
             assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False)), (name, covered)
