@@ -291,9 +291,10 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
             continue  # rows that do not split into chunks: the generic body
         issue = _down_issue([c.size * bn * item * (2 if gated else 1) for c in chunks], depth,
                             [c.size * bn * item for c in d_chunks], prefetch_bytes)
+        act, lm, copy = (v.pop() if len(v) == 1 else -1 for v in (acts, lms, copies))
         out.append(GemvBody(k, norm, ln_bias, gated, chunks, depth, bn, item, head_d, down, down_ld,
                             d_chunks, issue, () if users == every else tuple(sorted(users)),
-                            *(v.pop() if len(v) == 1 else -1 for v in (acts, lms, copies)), wide=wide))
+                            act=act, lm=lm, copy=copy, wide=wide))
     return out
 
 

@@ -245,8 +245,8 @@ def _aot(b: Build) -> None:
         for (kind, _, build, _), results in compiled.items():
             for r in results:
                 entries.setdefault(r.target, {}).setdefault(kind, {})[build] = _kernel_entry(b.tmp, r, kind, build)
-        for name, kinds in entries.items():
-            dec, pre = kinds["decode"], kinds["prefill"]
+        for name in (t.name for t in gpu_targets if t.name in entries):  # the targets' order, not the jobs'
+            dec, pre = entries[name]["decode"], entries[name]["prefill"]
             # the target's own fields: the decode kernel's release build, what a step runs
             info = {"arch": dec["release"].pop("arch"), "tiling": "gpu", "grid": get_target(name).sms,
                     **dec["release"]}

@@ -207,7 +207,9 @@ def test_matrix_vector_reads_weights_wide_and_before_the_wait(bundle: Path, repo
         assert c["weight_opcodes"][WIDE] == (3 if "gated" in v else 8 if v.endswith("_lm256") else 1)
         assert c["in_flight_bytes"] == c["prefetch_bytes"] == c["weight_bytes"] == c["weight_opcodes"][WIDE] * 16 * 256
         assert p["waits_in_body"] and p["polls"] == 1 and p["prefetch_per_thread"] > 0
-        assert p["pre_rt"] < p["poll_rt"]  # the weights leave before the poll does
+        # the weights leave no later than the poll: the wait slots' words load with the
+        # descriptor's, so both go out in the same round trip, the weights first
+        assert p["pre_rt"] <= p["poll_rt"]
         # claim index (atomic, not counted) -> task row -> descriptor -> weight address
         assert p["first_weight_rt"] == 2
         assert p["sync"]["fences"] == 1 and p["sync"]["l1_invalidations"] == 0
@@ -294,13 +296,13 @@ def test_prediction_is_ordered_above_the_floor_and_explained(report: dict[str, A
     lp = params_for(target, "central")
     assert p["floor_us"]["central"] == round(p["bytes_per_step"] / (lp.hbm_gbs * 1e3), 2)
     crit = p["critical"]
-    # one task per level on the critical path, from the first q projection on: the embed task
-    # signals before that task's poll issues (after its prefetched weights), so it binds nothing
-    assert crit["levels"] == crit["length"] == 10
+    # one task per level on the critical path, the embed task first: the first q projection's
+    # poll issues 3 round trips after its claim, with its weight requests, before the embed signals
+    assert crit["levels"] == crit["length"] == 11
     assert abs(sum(crit["us"].values()) - p["us"]["central"]) < 0.5
     assert p["unpriced_tasks"] == 0
     floor = _check(report, target, "predicted decode")
-    assert not floor["met"] and "10 levels" in floor["stopped_by"]
+    assert not floor["met"] and "11 levels" in floor["stopped_by"]
 
 
 @pytest.fixture(scope="module")
