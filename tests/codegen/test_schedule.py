@@ -396,3 +396,22 @@ def test_write_tables_matches_the_program(tiny_lowered: Any, tmp_path: Any) -> N
     assert np.array_equal(f["tasks"], p.task_table({"prefill": p.tables["prefill"], "decode": dec}))
     assert f["tasks"].dtype == np.int32
     assert np.array_equal(f["desc_int"], p.desc_int) and np.array_equal(f["desc_float"], p.desc_float)
+
+
+@pytest.mark.parametrize("target", ["a10", "h200", "small-l2"])
+def test_the_l2_prefetch_takes_each_programs_share_of_half_the_l2(tiny_lowered: Any, target: str) -> None:
+    """build.l2_prefetch: one prefetch requests at most half the L2 over the SMs (KiB), so a round
+    of them never overflows that half (the kernel's PREFETCH bytes, the model's cap); a target
+    whose share is under the 32 KB a task requests itself before its wait gets none."""
+    from dataclasses import replace
+
+    from zlc.build import l2_prefetch
+    from zlc.codegen.emit import PREFETCH_BYTES
+
+    t = replace(get_target("a10"), l2_mb=2.0) if target == "small-l2" else get_target(target)
+    p = _program(tiny_lowered, "h100")
+    r = l2_prefetch(p, t, "bf16")
+    share = int(t.l2_mb * 1e6 / 2 / t.sms) // 1024 * 1024
+    assert r["bytes"] * t.sms <= t.l2_mb * 1e6 / 2
+    assert (r["on"], r["bytes"]) == ((True, share) if share >= PREFETCH_BYTES else (False, 0))
+    assert {"a10": 40, "h200": 184, "small-l2": 13}[target] == share // 1024 and f"{share // 1024} KB" in r["why"]
