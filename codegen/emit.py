@@ -55,17 +55,23 @@ DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
 # Weight bytes one program keeps in flight in a matrix-vector product. Little's law on an H200:
 # ~4.3 TB/s x ~0.7 us over 132 SMs is ~22 KB per SM; the A10 (0.6 TB/s, 72 SMs) needs less.
 PREFETCH_BYTES = 32 * 1024
-MAX_CHUNK = 256  # columns per unrolled chunk (a power of two: tl.arange)
-# A gated body streams two matrices: 256-column chunks put 32 KB in one chunk, so it runs one chunk
-# ahead and holds two (64 KB: the Llama-1B shape's K = 2048 body spilled on sm_86 and sm_90). A
-# long row (K >= GATED_SPLIT_K) unrolls in 128-column chunks: the same 32 KB is two chunks ahead and
-# three are held (48 KB of registers). A short one keeps 256 (SmolLM2's 576 = 256 + 256 + 64 has
-# 56 KB in flight so, 32 KB in 128-column chunks: the latency model priced that 12 us slower on h200).
-GATED_MAX_CHUNK = 128
-GATED_SPLIT_K = 1024
+# Columns per unrolled chunk (a power of two: tl.arange). Under 256 (the program's threads), the
+# row's chunk is cheap for Triton to load again in the weights' layout, where the product's sum over
+# the chunk stays inside each warp; at 256 it was loaded once and moved there through shared memory,
+# two BAR.SYNC per chunk (the latency model priced those at 16 us a token on the Llama-1B shape on
+# h200). The same 32 KB stay in flight: 4 chunks ahead of one matrix, 2 of a gated pair.
+MAX_CHUNK = 128
+# A row merged from split-KV partials (norm 3) loads each split's (max, sum, acc) per column. A
+# chunk under 256 columns keeps the row in the weights' layout (8 columns a thread at 128: 3
+# loads of them per split); from 256 it is merged a column a thread and then moved across the warps
+# (two BAR.SYNC per chunk). Priced by the latency model on h200: at 2 splits (the Llama-1B shape)
+# 128 columns are 24 us a token faster, at 8 (SmolLM2) 256 are 18 us faster.
+MERGED_NARROW_SPLITS = 2
 # A fused MLP down (split-K) streams Wd[:, n0:n1] in chunks of at most this many rows ([rows,
-# BLOCK_N] tiles: 8 KB of bf16 at BLOCK_N 32), continuing the gate/up weight stream.
-DOWN_MAX_ROWS = 128
+# BLOCK_N] tiles: 16 KB of bf16 at BLOCK_N 32), continuing the gate/up weight stream. Each tile's
+# partial sums are one atomic add, whose values (replicated across the lanes that summed them)
+# Triton first moves through shared memory, two BAR.SYNC: 256 rows halve those of 128.
+DOWN_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,7 @@ class Features:
 
 
 def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
-    """K split greedily into power-of-two chunks of at most `max_chunk` columns (576 = 256 + 256 +
+    """K split greedily into power-of-two chunks of at most `max_chunk` columns (576 = 4 x 128 +
     64); None when a piece would be under 32 columns (the masked generic body does those)."""
     out: list[Chunk] = []
     lo = 0
@@ -246,11 +252,12 @@ def chunk_plan(k: int, max_chunk: int = MAX_CHUNK) -> tuple[Chunk, ...] | None:
 
 
 def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, max_chunk: int = MAX_CHUNK,
-                prefetch_bytes: int = PREFETCH_BYTES) -> list[GemvBody]:
+                prefetch_bytes: int = PREFETCH_BYTES, max_down_rows: int = DOWN_MAX_ROWS) -> list[GemvBody]:
     """One body per (K, norm, gate) of the programs' decode Linear tasks whose K splits into chunks (see
     chunk_plan; the rest use the masked generic body). `block_n` is the GPU tiling's block of
-    columns; `max_chunk` caps a chunk and `prefetch_bytes` the weights in flight (tests lower
-    both, so tiny models unroll into many chunks prefetched a few ahead)."""
+    columns; `max_chunk` caps a chunk, `max_down_rows` a fused down's chunk and `prefetch_bytes`
+    the weights in flight (tests lower them, so tiny models unroll into many chunks prefetched a
+    few ahead)."""
     item = 2 if weight_dtype == "bf16" else 4
     shapes: dict[tuple[int, ...], set[int]] = {}  # shape -> the block_n of the tilings asking for it
     flags: dict[tuple[int, ...], set[tuple[int, int, int]]] = {}  # shape -> its tasks' (activation, LM head, copy)
@@ -270,6 +277,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
                 shapes.setdefault(shape, set()).add(p.tiling.block_n)
                 flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0), int(di[23]) if len(di) > 23 else 0))
     every = {p.tiling.block_n for p in programs}
+    splits = max(p.tiling.kv_splits for p in programs)
     out = []
     for key, users in sorted(shapes.items()):
         k, norm, lnb, gtd, head_d, down, down_ld, wide = key
@@ -278,7 +286,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         bn = wide or block_n
         # a wide body's chunks hold as many weights as block_n's (fewer columns of more rows), down
         # to chunk_plan's 32 columns
-        cap = min(max_chunk, GATED_MAX_CHUNK) if gated and k >= GATED_SPLIT_K else max_chunk
+        cap = 2 * max_chunk if norm == pg.NORM_COMBINE and splits > MERGED_NARROW_SPLITS else max_chunk
         chunks = chunk_plan(k, min(cap, max(32, cap * block_n // bn)))
         if chunks is None or (wide and not _rolls(chunks, norm, gated, down)):
             continue
@@ -286,7 +294,7 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         while depth < len(chunks) and got < prefetch_bytes:
             got += chunks[depth].size * bn * item * (2 if gated else 1)
             depth += 1
-        d_chunks = chunk_plan(down, min(max_chunk, DOWN_MAX_ROWS)) if down else ()
+        d_chunks = chunk_plan(down, max_down_rows) if down else ()
         if d_chunks is None:
             continue  # rows that do not split into chunks: the generic body
         issue = _down_issue([c.size * bn * item * (2 if gated else 1) for c in chunks], depth,
@@ -338,7 +346,7 @@ def signature(weight_dtype: str) -> dict[str, str]:
 
 def render(programs: Program | Sequence[Program], *, weight_dtype: str, version: str,
            gemv_block_n: int | None = None, max_chunk: int = MAX_CHUNK,
-           prefetch_bytes: int = PREFETCH_BYTES) -> str:
+           prefetch_bytes: int = PREFETCH_BYTES, max_down_rows: int = DOWN_MAX_ROWS) -> str:
     """One kernel source for every tiling in `programs` (its dispatch chain covers every op kind
     any of them uses); `gemv_block_n` sizes the specialized matrix-vector bodies (default: the
     widest BLOCK_N of a GPU-sized tiling, i.e. the last program's)."""
@@ -355,5 +363,5 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
-                         prefetch_bytes),
+                         prefetch_bytes, max_down_rows),
         f=Features.of(progs))

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
-from zlc.codegen.emit import GATED_MAX_CHUNK, GATED_SPLIT_K, MAX_CHUNK, gemv_bodies
+from zlc.codegen.emit import MAX_CHUNK, MERGED_NARROW_SPLITS, gemv_bodies
 
 
-def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32) -> SimpleNamespace:
+def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32, kv_splits: int = 1) -> SimpleNamespace:
     """One decode Linear task per (K, norm, gated, field 12) with a descriptor holding just those."""
     desc, tasks = [], []
     for i, (k, norm, gated, f12) in enumerate(shapes):
@@ -18,18 +18,32 @@ def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32) -> SimpleNa
         desc.append(di)
         tasks.append(SimpleNamespace(op=fmt.OP_LINEAR, desc=i, a=0, b=block_n))
     return SimpleNamespace(tables={"decode": tasks}, desc_int=desc,
-                           tiling=SimpleNamespace(block_n=block_n, lm_block_n=0))
+                           tiling=SimpleNamespace(block_n=block_n, lm_block_n=0, kv_splits=kv_splits))
 
 
-def test_long_gated_rows_unroll_in_smaller_chunks_with_the_same_bytes_in_flight() -> None:
+def test_rows_unroll_in_chunks_under_the_thread_count_with_32_kb_in_flight() -> None:
+    """Chunks of 128 columns (under the 256 threads: Triton loads the row's chunk in the weights'
+    layout, no shared-memory move), as deep as 32 KB of weights: 4 chunks of one matrix, 2 of a
+    gated pair; a K that is no multiple of 128 ends in a smaller chunk."""
     p = _program((2048, pg.NORM_RMS, True, -1), (576, pg.NORM_RMS, True, -1), (2048, pg.NORM_RMS, False, -1))
     by = {(g.k, g.gated): g for g in gemv_bodies([p], "bf16", 32)}
     long, short, plain = by[2048, True], by[576, True], by[2048, False]
-    assert 2048 >= GATED_SPLIT_K > 576
-    assert {c.size for c in long.chunks} == {GATED_MAX_CHUNK} and long.depth == 2
-    assert [c.size for c in short.chunks] == [256, 256, 64] and short.depth == 1
-    assert {c.size for c in plain.chunks} == {MAX_CHUNK} and plain.depth == 2
+    assert MAX_CHUNK == 128
+    assert {c.size for c in long.chunks} == {128} and long.depth == 2
+    assert [c.size for c in short.chunks] == [128, 128, 128, 128, 64] and short.depth == 2
+    assert {c.size for c in plain.chunks} == {128} and plain.depth == 4
     assert long.inflight_kb == short.inflight_kb == plain.inflight_kb == 32.0  # 32 KB per program each
+
+
+def test_a_row_merged_from_many_splits_unrolls_in_256_column_chunks() -> None:
+    """A merged split-KV row (norm 3) keeps 128-column chunks at up to MERGED_NARROW_SPLITS splits;
+    past that its per-split loads in the weights' layout cost more than a move across the warps, so
+    its chunks are 256 columns (the other bodies keep 128)."""
+    shapes = ((576, pg.NORM_COMBINE, False, 64), (576, pg.NORM_RMS, False, -1))
+    for splits, size in ((MERGED_NARROW_SPLITS, 128), (MERGED_NARROW_SPLITS + 1, 256), (8, 256)):
+        by = {g.norm: g for g in gemv_bodies([_program(*shapes, kv_splits=splits)], "bf16", 32)}
+        assert by[pg.NORM_COMBINE].chunks[0].size == size
+        assert by[pg.NORM_RMS].chunks[0].size == 128
 
 
 def test_the_merged_body_is_one_per_head_size_with_the_size_in_its_name() -> None:
@@ -67,8 +81,8 @@ def test_a_shape_whose_tasks_share_the_activation_and_lm_flag_gets_them_as_liter
 
 def test_the_lm_heads_wider_tasks_get_their_own_body_with_the_same_bytes_per_chunk() -> None:
     """Tiling.lm_block_n: LM-head tasks wider than BLOCK_N take a body of their own, called with that
-    width as its BLOCK_N (so `_lm256` streams 256 columns per task), its chunks as many weights as
-    the narrow body's (32 columns of 256 rows, not 256 of 32) and its LM flag a literal; the q/k/v
+    width as its BLOCK_N (so `_lm256` streams 256 columns per task), its chunks as narrow as
+    chunk_plan allows (32 columns of 256 rows, not 128 of 256) and its LM flag a literal; the q/k/v
     projections sharing K and norm keep the narrow body, now without LM-head tasks."""
     p = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, False, -1))
     p.desc_int[1][14] = 1

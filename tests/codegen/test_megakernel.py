@@ -110,7 +110,7 @@ def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bund
     b = built(name)
     t = gpu_like()
     p = b.program(t)
-    small = {"max_chunk": 32, "prefetch_bytes": 2 * t.block_n * 32 * 4}  # two fp32 chunks in flight
+    small = {"max_chunk": 32, "max_down_rows": 32, "prefetch_bytes": 2 * t.block_n * 32 * 4}  # two fp32 chunks in flight
     bodies = gemv_bodies([p], "fp32", t.block_n, **small)
     assert bodies and all(len(g.chunks) >= 2 for g in bodies)
     assert any(g.depth < len(g.chunks) for g in bodies), "some body must prefetch ahead, not all at once"

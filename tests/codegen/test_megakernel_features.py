@@ -51,7 +51,7 @@ def _program(*descs: tuple[int, dict[int, int], dict[int, float]]) -> SimpleName
             df[i, k] = fv
         tasks.append(SimpleNamespace(op=op, desc=i, a=0, b=16))
     return SimpleNamespace(model="synthetic", tables={"prefill": [], "decode": tasks}, desc_int=di, desc_float=df,
-                           tiling=SimpleNamespace(block_n=16, lm_block_n=0))
+                           tiling=SimpleNamespace(block_n=16, lm_block_n=0, kv_splits=1))
 
 
 PLAIN = [(fmt.OP_EMBED, {}, {0: 1.0}), (fmt.OP_ATTENTION, {}, {0: 0.25}), (fmt.OP_CACHE_APPEND, {}, {}),

@@ -165,7 +165,7 @@ def test_four_levels_per_layer_on_smollm2s_shape() -> None:
 
 # ---- the interpreter against the reference executor -----------------------------------------------
 
-SMALL = {"max_chunk": 32, "prefetch_bytes": 2 * 16 * 32 * 4}  # several chunks per row, a few ahead
+SMALL = {"max_chunk": 32, "max_down_rows": 32, "prefetch_bytes": 2 * 16 * 32 * 4}  # several chunks per row, a few ahead
 
 
 @pytest.mark.parametrize(("name", "body"), [("llama", "specialized"), ("gemma", "specialized"),
