@@ -58,19 +58,20 @@ PREFETCH_BYTES = 32 * 1024
 # Columns per unrolled chunk (a power of two: tl.arange). Under 256 (the program's threads), the
 # row's chunk is cheap for Triton to load again in the weights' layout, where the product's sum over
 # the chunk stays inside each warp; at 256 it was loaded once and moved there through shared memory,
-# two BAR.SYNC per chunk (the latency model priced those at 16 us a token on the Llama-1B shape on
-# h200). The same 32 KB stay in flight: 4 chunks ahead of one matrix, 2 of a gated pair.
+# two BAR.SYNC per chunk (the latency model, Llama-1B shape on h200: 753.6 us a token at 256,
+# 717.9 at 128). The same 32 KB stay in flight: 4 chunks ahead of one matrix, 2 of a gated pair.
 MAX_CHUNK = 128
 # A row merged from split-KV partials (norm 3) loads each split's (max, sum, acc) per column. A
 # chunk under 256 columns keeps the row in the weights' layout (8 columns a thread at 128: 3
 # loads of them per split); from 256 it is merged a column a thread and then moved across the warps
 # (two BAR.SYNC per chunk). Priced by the latency model on h200: at 2 splits (the Llama-1B shape)
-# 128 columns are 24 us a token faster, at 8 (SmolLM2) 256 are 18 us faster.
+# 128 columns are 20 us a token faster, at 8 (SmolLM2) 256 are 18 us faster.
 MERGED_NARROW_SPLITS = 2
 # A fused MLP down (split-K) streams Wd[:, n0:n1] in chunks of at most this many rows ([rows,
 # BLOCK_N] tiles: 16 KB of bf16 at BLOCK_N 32), continuing the gate/up weight stream. Each tile's
 # partial sums are one atomic add, whose values (replicated across the lanes that summed them)
-# Triton first moves through shared memory, two BAR.SYNC: 256 rows halve those of 128.
+# Triton first moves through shared memory, two BAR.SYNC: 256 rows halve those of 128 (the
+# latency model, Llama-1B shape on h200: 726.8 us a token at 128, 717.9 at 256).
 DOWN_MAX_ROWS = 256
 
 

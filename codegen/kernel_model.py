@@ -170,6 +170,7 @@ def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float
     prefetch = min(float(wbytes), pf.prefetch_per_thread * threads)
     s.pre_rt = float(pf.pre_rt or 0)
     s.poll_rt = float(pf.poll_rt)
+    s.poll_gap_rt = float(pf.poll_gap_rt)
     s.prefetch = prefetch
     s.used_before_poll = pf.used_before_poll_per_thread > 0
     s.lead_rt, s.par_rt, s.tail_rt = float(pf.lead_rt), float(pf.par_rt), float(pf.tail_rt)

@@ -69,6 +69,9 @@ class PathFacts:
     # delays only this program's next task, not the task's dependents
     post_signal_rt: int = 0
     post_signal_instrs: int = 0
+    # round trips from one poll to the next (the most between two on the path; 1 when a wait's
+    # words were loaded before the first poll, 2 when they came after the previous poll's barrier)
+    poll_gap_rt: int = 1
 
     @property
     def l2_prefetch_bytes_per_thread(self) -> int:
@@ -327,7 +330,8 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
         l2_prefetch_rt=marks[pf_pos] if pf_pos >= 0 else None, claim_waited=0 <= claim_use < first_need,
         l2_prefetch_at_end=pf_pos > after,
         post_signal_rt=max(0, final - marks[sig_pos]) if sig_pos < len(seq) else 0,
-        post_signal_instrs=sum(1 for p, (k, _) in enumerate(seq) if k == "i" and p > max(sig_pos, after)))
+        post_signal_instrs=sum(1 for p, (k, _) in enumerate(seq) if k == "i" and p > max(sig_pos, after)),
+        poll_gap_rt=max([marks[b] - marks[a] for a, b in zip(polls, polls[1:])], default=1))
 
 
 def _weight_fns(code: KernelCode, n: int) -> list[str]:

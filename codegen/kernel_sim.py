@@ -9,8 +9,9 @@ path.
               it ends (serial claim: the next start waits one claim round trip)
     a task    starts when its program is free; requests `prefetch` weight bytes after `pre_rt` L2
               round trips (they stream while it waits); polls after `poll_rt` (after the prefetch
-              too, where the code uses those weights before polling); each wait resolves at
-              max(previous + one L2 round trip, its latest signaller's finish + t_sig); then
+              too, where the code uses those weights before polling); the first wait resolves
+              at max(poll + one L2 round trip, its latest signaller's finish + t_sig), each next
+              at max(previous + `poll_gap_rt` round trips, its signaller's finish + t_sig); then
               `lead_rt` round trips, the rest of its bytes stream (starting one DRAM latency after
               the request, or seamlessly after the prefetch), `par_rt` round trips beside them;
               then `serial` round trips the loop iterations add, `tail_rt`, the math it cannot
@@ -59,6 +60,7 @@ class TaskShape:
     waits: list[list[int]]  # per wait: the tasks that must finish
     pre_rt: float = 0.0  # L2 round trips before the prefetch request
     poll_rt: float = 0.0  # L2 round trips before the first poll issues
+    poll_gap_rt: float = 1.0  # L2 round trips from one wait's poll to the next's
     prefetch: float = 0.0  # bytes requested before the waits
     used_before_poll: bool = False  # the code waits for (some of) them before it polls
     lead_rt: float = 0.0  # after the waits, before the stream
@@ -321,8 +323,8 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         """All signallers of k have finished and k has polled: its waits resolve."""
         s, t = tasks[k], tm[k]
         w, by = t.poll, -1
-        for group in s.waits:
-            w += p.l2
+        for n, group in enumerate(s.waits):
+            w += p.l2 * (1.0 if n == 0 else s.poll_gap_rt)
             if group:
                 j = max(group, key=lambda j: tm[j].finish)
                 r = tm[j].finish + p.sig

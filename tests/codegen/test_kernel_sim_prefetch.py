@@ -120,3 +120,14 @@ def test_what_follows_the_signal_keeps_the_program_not_the_dependents() -> None:
     # two programs: the dependent on the other one polls from its start and sees the signal at 2
     r2 = simulate([first, second], replace(P, grid=2))
     assert r2.times[1].wait == 2.0 + P.sig
+
+
+def test_each_further_wait_costs_its_poll_gap() -> None:
+    """The first wait resolves one round trip after its poll, each further one `poll_gap_rt` after
+    the previous (its signaller long done): started at 1 (the launch's claim), polled at 3, 3 waits
+    resolve at 6 with a gap of 1, at 8 with a gap of 2 (a wait's words loaded behind the previous
+    poll's barrier)."""
+    done = TaskShape(op=1, waits=[])
+    t = TaskShape(op=1, waits=[[0], [0], [0]], poll_rt=2.0)
+    assert simulate([done, replace(t, poll_gap_rt=1.0)], replace(P, grid=2)).times[1].wait == 6.0
+    assert simulate([done, replace(t, poll_gap_rt=2.0)], replace(P, grid=2)).times[1].wait == 8.0

@@ -239,6 +239,16 @@ def test_sync_per_task_and_at_launch(report: dict[str, Any], target: str) -> Non
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_a_task_with_several_waits_polls_each_a_round_trip_after_the_last(report: dict[str, Any], target: str) -> None:
+    """Every wait's words are loaded before the first poll, so the next poll issues as soon as the
+    previous one's count returns (behind its barrier, the words had been one round trip more)."""
+    classes = report["targets"][target]["prediction"]["classes"]
+    several = [c for c in classes if c["path"]["polls"] > 1]
+    assert several and all(c["path"]["poll_gap_rt"] == 1 for c in several)
+    assert any(c["body"] == "op_attention_row" for c in several)  # q, k and v
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_decode_kernel_prefetches_the_next_tasks_weights_into_l2(bundle: Path, report: dict[str, Any],
                                                                  target: str) -> None:
     """The compiled decode kernel (PREFETCH) requests the next task's weights into L2 after each
