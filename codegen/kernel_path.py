@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from .kernel_code import KernelCode, LoopFacts, SyncCounts
@@ -331,7 +332,7 @@ def _issue(code: KernelCode, seq: list[tuple[str, int]], body: str | None, strea
         l2_prefetch_at_end=pf_pos > after,
         post_signal_rt=max(0, final - marks[sig_pos]) if sig_pos < len(seq) else 0,
         post_signal_instrs=sum(1 for p, (k, _) in enumerate(seq) if k == "i" and p > max(sig_pos, after)),
-        poll_gap_rt=max([marks[b] - marks[a] for a, b in zip(polls, polls[1:])], default=1))
+        poll_gap_rt=max([marks[b] - marks[a] for a, b in pairwise(polls)], default=1))
 
 
 def _weight_fns(code: KernelCode, n: int) -> list[str]:
