@@ -137,6 +137,11 @@ class GemvBody:
     wide: int = 0
 
     @property
+    def chunk_sizes(self) -> list[int]:
+        """The distinct chunk sizes, in order (RMSNorm keeps one vector of squares per size)."""
+        return list(dict.fromkeys(c.size for c in self.chunks))
+
+    @property
     def block_n_guard(self) -> str:
         """The dispatch's constexpr term selecting the tilings that use the body ('' : all of them)."""
         return " | ".join(f"(BLOCK_N == {b})" for b in self.for_block_n)
