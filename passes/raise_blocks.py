@@ -5,10 +5,11 @@
   after the heads: one Linear per part, its weight rows gathered head (group) by head, each split
   into heads on its own (what GPT-2's and Phi-3's fused projections already are).
 - Heads picked out of a fused projection by data movement (Falcon's ``query_key_value``: a Reshape
-  to [B, T, G, D], then Slice / GatherND / Expand / Transpose per part, K and V possibly broadcast
-  to every query head): the rows each head reads are found by probing the movement chain with
-  column indices (`heads_gather`), and become one Linear per part, split into heads; heads that
-  repeat a KV group become the explicit repeat that attention's GQA rule strips.
+  to [B, T, G, D], then Slice / GatherND / Expand / Transpose per part, or since transformers 5.25
+  one Split of the heads axis; K and V possibly broadcast to every query head): the rows each head
+  reads are found by probing the movement chain with column indices (`heads_gather`), and become
+  one Linear per part, split into heads; heads that repeat a KV group become the explicit repeat
+  that attention's GQA rule strips.
 - A parallel attention + MLP block's 3-way residual sum, re-associated so that each of its two Adds
   is one projection's epilogue.
 
@@ -171,8 +172,8 @@ PARALLEL_RESIDUAL = Rule(
 
 # ---- heads gathered from a fused projection -------------------------------------------------------
 
-_MOVES = frozenset({"Reshape", "Slice", "Transpose", "GatherND", "Gather", "Expand", "Squeeze", "Unsqueeze"})
-_NOT_GATHER = "not heads moved out of a Linear by Reshape/Slice/GatherND/Expand/Transpose"
+_MOVES = frozenset({"Reshape", "Slice", "Split", "Transpose", "GatherND", "Gather", "Expand", "Squeeze", "Unsqueeze"})
+_NOT_GATHER = "not heads moved out of a Linear by Reshape/Slice/Split/GatherND/Expand/Transpose"
 _PROBE_T = 3
 
 
@@ -302,4 +303,4 @@ def _rw_heads_gather(m: Match, g: Graph) -> Pairs:
 
 HEADS_GATHER = Rule(
     "heads_gather", P.op("Transpose", P.any(), rest=True), _check_heads_gather, _rw_heads_gather, why=_NOT_GATHER,
-    doc="[B, H, T, D] heads moved out of Linear(x) by Slice/GatherND/Expand -> SplitHeads(Linear(x, their rows))")
+    doc="[B, H, T, D] heads moved out of Linear(x) by Slice/Split/GatherND/Expand -> SplitHeads(Linear(x, their rows))")
