@@ -23,6 +23,7 @@ import jinja2
 from zlc import bundle as fmt
 
 from . import program as pg
+from .descriptors import AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc, constants
 from .program import Program
 
 ENTRY = "zlc_megakernel"
@@ -126,12 +127,12 @@ class GemvBody:
     # a cubin built for the other tilings compiles the body out (the interpreter tiling's bodies
     # were registers, instructions and spills in every GPU kernel that never ran them)
     for_block_n: tuple[int, ...] = ()
-    # the activation and LM-head flag (descriptor words 13, 14) where every task of the shape has
+    # the activation and LM-head flag (LinearDesc.act, .lm) where every task of the shape has
     # the same (-1: read at run time): literals compile out the branches not taken and free the
     # registers that held them (the Llama-1B shape's sm_90 decode kernel spilled 4 B without)
     act: int = -1
     lm: int = -1
-    copy: int = -1  # word 23 likewise (1: the output also initializes a fused MLP down's accumulator)
+    copy: int = -1  # LinearDesc.copy likewise (1: the output also initializes a fused MLP down's accumulator)
     # the LM head's own block of columns (Tiling.lm_block_n) where wider than BLOCK_N: the body is
     # called with it as its BLOCK_N, so the same code streams block_n (= wide) columns per task
     wide: int = 0
@@ -187,21 +188,20 @@ class GemvBody:
 class Features:
     """The optional code paths some task of the programs (every tiling, both modes) needs, read off
     their descriptors: the template compiles each one in only when it is set, so a model without it
-    carries none of its loads, math or registers. Field by field, what sets it (program.py's
-    descriptor fields, tasks.py):"""
+    carries none of its loads, math or registers. Field by field, what sets it (descriptors.py):"""
 
-    window: bool = False  # attention word 20 > 0: a sliding window
-    attn_softcap: bool = False  # attention float 1 > 0: the scores' soft-cap (Gemma 2)
-    alibi: bool = False  # attention float 2 != 0: an ALiBi slope (BLOOM, MPT)
-    qk_norm: bool = False  # attention words 21/22, cache_append word 21 >= 0: q/k norm gains (Qwen3, OLMo 2)
-    qk_norm_whole: bool = False  # their word 23 != 0: a q/k norm over the whole projection row (OLMo 2)
-    moe_route: bool = False  # linear word 21 != 0: a routed MoE expert (Mixtral, Qwen3-MoE)
-    lm_softcap: bool = False  # linear float 1 > 0: the LM head's soft-cap (Gemma 2)
-    bias: bool = False  # linear word 6 >= 0: a Linear bias
-    activations: tuple[int, ...] = ()  # linear word 13: the activation codes used (0 none is free)
-    embed_norm: bool = False  # embed word 5 != 0: a norm of the embedding rows (BLOOM)
-    embed_pos: bool = False  # embed word 4 >= 0: a learned position table (GPT-2)
-    mlp_split_k: bool = False  # linear word 22 > 0 (a fused MLP down) or 23 != 0 (its accumulator's init)
+    window: bool = False  # AttentionDesc.window > 0: a sliding window
+    attn_softcap: bool = False  # AttentionDesc.softcap > 0: the scores' soft-cap (Gemma 2)
+    alibi: bool = False  # AttentionDesc.alibi != 0: an ALiBi slope (BLOOM, MPT)
+    qk_norm: bool = False  # Attention q_norm_w / k_norm_w, CacheAppend k_norm_w >= 0: q/k norm gains (Qwen3, OLMo 2)
+    qk_norm_whole: bool = False  # their qk_norm_whole != 0: a q/k norm over the whole projection row (OLMo 2)
+    moe_route: bool = False  # LinearDesc.route != 0: a routed MoE expert (Mixtral, Qwen3-MoE)
+    lm_softcap: bool = False  # LinearDesc.softcap > 0: the LM head's soft-cap (Gemma 2)
+    bias: bool = False  # LinearDesc.bias >= 0: a Linear bias
+    activations: tuple[int, ...] = ()  # LinearDesc.act: the activation codes used (0 none is free)
+    embed_norm: bool = False  # EmbedDesc.norm != 0: a norm of the embedding rows (BLOOM)
+    embed_pos: bool = False  # EmbedDesc.pos_table >= 0: a learned position table (GPT-2)
+    mlp_split_k: bool = False  # LinearDesc.down_rows > 0 (a fused MLP down) or copy != 0 (its accumulator's init)
 
     @classmethod
     def of(cls, programs: Sequence[Program]) -> Features:
@@ -218,23 +218,23 @@ class Features:
                 for t in tasks:
                     di, df = di_all[t.desc], df_all[t.desc]
                     if t.op == fmt.OP_ATTENTION:
-                        on("window", di[20] > 0)
-                        on("attn_softcap", df[1] > 0)
-                        on("alibi", df[2] != 0)
-                        on("qk_norm", di[21] >= 0 or di[22] >= 0)
-                        on("qk_norm_whole", di[23] != 0)
+                        on("window", di[AttentionDesc.window] > 0)
+                        on("attn_softcap", df[AttentionDesc.softcap] > 0)
+                        on("alibi", df[AttentionDesc.alibi] != 0)
+                        on("qk_norm", di[AttentionDesc.q_norm_w] >= 0 or di[AttentionDesc.k_norm_w] >= 0)
+                        on("qk_norm_whole", di[AttentionDesc.qk_norm_whole] != 0)
                     elif t.op == fmt.OP_CACHE_APPEND:
-                        on("qk_norm", di[21] >= 0)
-                        on("qk_norm_whole", di[23] != 0)
+                        on("qk_norm", di[CacheAppendDesc.k_norm_w] >= 0)
+                        on("qk_norm_whole", di[CacheAppendDesc.qk_norm_whole] != 0)
                     elif t.op == fmt.OP_LINEAR:
-                        on("moe_route", di[21] != 0)
-                        on("mlp_split_k", di[22] > 0 or di[23] != 0)
-                        on("lm_softcap", df[1] > 0)
-                        on("bias", di[6] >= 0)
-                        acts.add(int(di[13]))
+                        on("moe_route", di[LinearDesc.route] != 0)
+                        on("mlp_split_k", di[LinearDesc.down_rows] > 0 or di[LinearDesc.copy] != 0)
+                        on("lm_softcap", df[LinearDesc.softcap] > 0)
+                        on("bias", di[LinearDesc.bias] >= 0)
+                        acts.add(int(di[LinearDesc.act]))
                     elif t.op == fmt.OP_EMBED:
-                        on("embed_norm", di[5] != 0)
-                        on("embed_pos", di[4] >= 0)
+                        on("embed_norm", di[EmbedDesc.norm] != 0)
+                        on("embed_pos", di[EmbedDesc.pos_table] >= 0)
         return cls(**f, activations=tuple(sorted(acts - {0})))
 
     def used(self) -> list[str]:
@@ -273,15 +273,16 @@ def gemv_bodies(programs: Sequence[Program], weight_dtype: str, block_n: int, ma
         # would be registers and instructions the decode kernel never runs
         for t in p.tables.get("decode", []):
             if t.op == fmt.OP_LINEAR:
-                di = p.desc_int[t.desc]
-                norm = int(di[10])
-                down = int(di[22]) if len(di) > 22 and int(di[21]) == 0 else 0  # 22: a fused down
-                lm_wide = int(di[14]) != 0 and t.b - t.a > p.tiling.block_n  # an LM-head task of lm_block_n
+                di, L = p.desc_int[t.desc], LinearDesc
+                norm = int(di[L.norm])
+                down = int(di[L.down_rows]) if int(di[L.route]) == 0 else 0  # a fused down
+                lm_wide = int(di[L.lm]) != 0 and t.b - t.a > p.tiling.block_n  # an LM-head task of lm_block_n
                 wide = p.tiling.lm_block_n if lm_wide and p.tiling.lm_block_n else 0
-                shape = (int(di[2]), norm, int(norm == 2 and int(di[12]) >= 0), int(int(di[5]) >= 0),
-                         int(di[12]) if norm == pg.NORM_COMBINE else 0, down, int(di[3]) if down else 0, wide)
+                shape = (int(di[L.k]), norm, int(norm == pg.NORM_LAYER and int(di[L.norm_b]) >= 0),
+                         int(int(di[L.w2]) >= 0), int(di[L.merge_head_dim]) if norm == pg.NORM_COMBINE else 0,
+                         down, int(di[L.n]) if down else 0, wide)
                 shapes.setdefault(shape, set()).add(p.tiling.block_n)
-                flags.setdefault(shape, set()).add((int(di[13]), int(di[14] != 0), int(di[23]) if len(di) > 23 else 0))
+                flags.setdefault(shape, set()).add((int(di[L.act]), int(di[L.lm] != 0), int(di[L.copy])))
     every = {p.tiling.block_n for p in programs}
     splits = max(p.tiling.kv_splits for p in programs)
     out = []
@@ -363,7 +364,7 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     return env.get_template("megakernel.py.jinja").render(
-        version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts,
+        version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts, desc=constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS,
         op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""),
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)

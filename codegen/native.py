@@ -38,6 +38,7 @@ from zlc.errors import ZlcError
 from zlc.targets import IsaLevel, isa_levels_for
 
 from . import program as pg
+from .descriptors import AttentionDesc, LinearDesc, constants
 from .emit import DEBUG_WAIT_TIMEOUT_NS
 from .program import Program
 
@@ -94,11 +95,12 @@ def render(p: Program, *, weight_dtype: str, version: str) -> str:
                              keep_trailing_newline=True)
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     used = {(t.op, t.desc) for tasks in p.tables.values() for t in tasks}
-    ks = sorted({int(p.desc_int[d, 2]) for op, d in used if op == fmt.OP_LINEAR})
-    dims = sorted({int(p.desc_int[d, 6]) for op, d in used if op in (fmt.OP_ATTENTION, fmt.OP_CACHE_APPEND)})
+    ks = sorted({int(p.desc_int[d, LinearDesc.k]) for op, d in used if op == fmt.OP_LINEAR})
+    dims = sorted({int(p.desc_int[d, AttentionDesc.head_dim]) for op, d in used  # cache_append's word too
+                   if op in (fmt.OP_ATTENTION, fmt.OP_CACHE_APPEND)})
     t = p.tiling
     return env.get_template("megakernel.c.jinja").render(
-        version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts,
+        version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS, abi=ABI, error_bad_op=ERROR_BAD_OP, chunk=t.chunk,
         block_t=t.block_t, kv_splits=t.kv_splits, max_seq=p.max_seq, max_k=max(ks or [1]),
         head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims)

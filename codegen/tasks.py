@@ -29,6 +29,7 @@ from __future__ import annotations
 from zlc.bundle import OP_ARGMAX, OP_EMBED, OP_ROW_NORM
 from zlc.ir import Node, Value
 
+from .descriptors import ArgmaxDesc, EmbedDesc, RowNormDesc
 from .program import NORM_LAYER, NORM_NONE, NORM_RMS, Region, Task
 from .tasks_attention import AttentionTasks
 from .tasks_core import Buf, Heads, Norm, Op, Positions, QKNorm, ScheduleError
@@ -99,20 +100,20 @@ class TaskBuilder(AttentionTasks, MlpTasks):
                                 f"{int(pos[0].shape[0])} or less")  # type: ignore[index, arg-type]
         # A norm right on the embeddings whose output is more than a projection's input (BLOOM's
         # word_embeddings_layernorm is also the first residual): the embed op applies it in place.
-        norm = {5: NORM_NONE}
+        norm: dict[str, int] = {"norm": NORM_NONE}
         eps = 0.0
         user = self.sole_user(out_v)
         if user is not None and user.op in ("LayerNorm", "RMSNorm") and any(
                 u.op not in ("Linear", "LMHead", "GatedMLP", "MLP") for u in self.users.get(user.output, [])):
             kind = NORM_LAYER if user.op == "LayerNorm" else NORM_RMS
-            norm = {5: kind, 6: self.p(user.inputs[1], user), 7: self.p(user.input(2), user)}
+            norm = {"norm": kind, "norm_w": self.p(user.inputs[1], user), "norm_b": self.p(user.input(2), user)}
             eps = float(user.attrs.get("eps", 1e-5 if kind == NORM_LAYER else 1e-6))
             self.skip.add(id(user))
             out_v = user.output
         out = self.buffer("embed", hidden)
-        d = self.desc("embed", {0: self.buffers[out.name].offset, 1: hidden, 2: hidden,
-                                3: self.w(tok[0], n), 4: self.w(pos[0], n) if pos else -1, **norm},
-                      {0: scale, 1: eps})
+        d = self.desc("embed", EmbedDesc, out_off=self.buffers[out.name].offset, out_stride=hidden, hidden=hidden,
+                      table=self.w(tok[0], n), pos_table=self.w(pos[0], n) if pos else -1, **norm,
+                      scale=scale, eps=eps)
         self.add_op("embed", [Task(OP_EMBED, d, writes=[Region(out.name, 0, hidden)], label="embed")])
         self.views[id(out_v)] = out
 
@@ -161,10 +162,10 @@ class TaskBuilder(AttentionTasks, MlpTasks):
             self._gains(n, b, src.cols)
         res, defines = self.residual_target(n.output)
         out = self.buffer(n.name, src.cols)
-        d = self.desc(n.name, {0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: kind,
-                               4: self.p(w, n), 5: self.p(b, n), 6: self.buffers[res.name].offset if res else -1,
-                               7: res.cols if res else 0, 8: self.buffers[out.name].offset, 9: out.cols},
-                      {0: eps})
+        d = self.desc(n.name, RowNormDesc, x_off=self.buffers[src.name].offset, x_stride=src.cols, k=src.cols,
+                      norm=kind, norm_w=self.p(w, n), norm_b=self.p(b, n),
+                      res_off=self.buffers[res.name].offset if res else -1, res_stride=res.cols if res else 0,
+                      out_off=self.buffers[out.name].offset, out_stride=out.cols, eps=eps)
         t = self.t
 
         def tasks(rows: int, block: int) -> list[Task]:
@@ -190,11 +191,11 @@ class TaskBuilder(AttentionTasks, MlpTasks):
         cap = float(n.attrs.get("softcap", 0.0) or 0.0)
         if cap < 0:
             raise ScheduleError(f"node '{n.name}' (LMHead): negative softcap {cap}")
-        # softcap: the logits are cap * tanh(y / cap) (descriptor float 1), before the argmax partial
+        # softcap: the logits are cap * tanh(y / cap) (LinearDesc.softcap), before the argmax partial
         out = self.linear_op(n, "lm_head", x, wv, self.vocab, bias=n.input(2), lm=True, softcap=cap)
         self.logits = out.name
         self.views[id(n.output)] = out
-        self.add_op("argmax", [Task(OP_ARGMAX, self.desc("argmax", {
-            0: self.buffers[self.lm_partials.name].offset, 1: self.lm_slots}),
+        self.add_op("argmax", [Task(OP_ARGMAX, self.desc(
+            "argmax", ArgmaxDesc, partials=self.buffers[self.lm_partials.name].offset, slots=self.lm_slots),
             reads=[Region(self.lm_partials.name, 0, self.lm_slots)],
             writes=[Region("ctrl.out_token", 0, 1)], label="argmax")])

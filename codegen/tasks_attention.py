@@ -13,6 +13,7 @@ import math
 from zlc.bundle import OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_APPEND
 from zlc.ir import Node
 
+from .descriptors import AttentionDesc, CacheAppendDesc, CombineDesc
 from .program import ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, Region, Task
 from .tasks_core import AttnOut, Heads, Norm, Positions, QKNorm, Rope, ScheduleError, TaskBuilderCore
 
@@ -90,12 +91,12 @@ class AttentionTasks(TaskBuilderCore):
                                 "attention rotates the step's keys with q's tables")
         # Prefill always appends the chunk's k/v first (a level per layer weighs little beside the
         # chunk's matrix products); decode with fuse_kv_append has attention do it (one level less).
-        d_app = self.desc(f"{n.name}.cache_append", {
-            0: self.buffers[k.buf.name].offset, 1: k.buf.cols, 2: self.buffers[v.buf.name].offset,
-            3: v.buf.cols, 4: self.buffers[ck.name].offset, 5: self.buffers[cv.name].offset, 6: D,
-            7: kr.kind, 8: kr.cos, 9: kr.sin, 10: kr.half, 11: kr.rot, 12: self.max_seq * D,
-            # k's q/k norm (21 gains or -1, 23 bit 0: over the whole projection row; eps in float 3)
-            21: kn.w if kn else -1, 23: int(bool(kn and kn.whole))}, {3: kn.eps if kn else 0.0})
+        d_app = self.desc(
+            f"{n.name}.cache_append", CacheAppendDesc, k_off=self.buffers[k.buf.name].offset, k_stride=k.buf.cols,
+            v_off=self.buffers[v.buf.name].offset, v_stride=v.buf.cols, k_cache=self.buffers[ck.name].offset,
+            v_cache=self.buffers[cv.name].offset, head_dim=D, rope=kr.kind, rope_cos=kr.cos, rope_sin=kr.sin,
+            rope_half=kr.half, rope_rot=kr.rot, head_stride=self.max_seq * D,
+            k_norm_w=kn.w if kn else -1, qk_norm_whole=int(bool(kn and kn.whole)), qk_eps=kn.eps if kn else 0.0)
 
         appends_op = [Task(OP_CACHE_APPEND, d_app, h, reads=[_head_cols(k, h), Region(v.buf.name, h * D, (h + 1) * D)],
                            writes=[Region(ck.name, h, h + 1), Region(cv.name, h, h + 1)],
@@ -117,22 +118,25 @@ class AttentionTasks(TaskBuilderCore):
                 [one_desc(mode, partial, split_len, 0.0)] * hq
 
         def one_desc(mode: str, partial: int, split_len: int, slope: float) -> int:
-            floats = {0: float(scale), 1: float(n.attrs.get("softcap", 0.0) or 0.0), 2: slope, 3: qk_eps}
-            return self.desc(f"{n.name}.attention.{mode}", {
-                0: self.buffers[q.buf.name].offset, 1: q.buf.cols, 2: self.buffers[ck.name].offset,
-                3: self.buffers[cv.name].offset, 4: self.buffers[out.name].offset, 5: out.cols, 6: D,
-                7: rope.kind, 8: rope.cos, 9: rope.sin, 10: rope.half, 11: rope.rot,
-                12: self.max_seq * D, 13: hq // hkv, 14: partial, 15: split_len,
+            return self.desc(
+                f"{n.name}.attention.{mode}", AttentionDesc, q_off=self.buffers[q.buf.name].offset,
+                q_stride=q.buf.cols, k_cache=self.buffers[ck.name].offset, v_cache=self.buffers[cv.name].offset,
+                out_off=self.buffers[out.name].offset, out_stride=out.cols, head_dim=D, rope=rope.kind,
+                rope_cos=rope.cos, rope_sin=rope.sin, rope_half=rope.half, rope_rot=rope.rot,
+                head_stride=self.max_seq * D, group=hq // hkv, partials=partial, split_len=split_len,
                 # fused append: the step's keys and values, read from the projections (k rotated
                 # on load); the first q head of each KV group writes them into the cache
-                16: self.buffers[k.buf.name].offset if fused and mode == "decode" else -1, 17: k.buf.cols,
-                18: self.buffers[v.buf.name].offset if fused and mode == "decode" else -1, 19: v.buf.cols,
+                k_new=self.buffers[k.buf.name].offset if fused and mode == "decode" else -1,
+                k_new_stride=k.buf.cols,
+                v_new=self.buffers[v.buf.name].offset if fused and mode == "decode" else -1,
+                v_new_stride=v.buf.cols,
                 # a causal sliding window (0: none): the query at p attends over keys p-window+1..p
-                20: window,
-                # q/k norms applied on load (21 q's gains, 22 k's for the fused append, -1 none;
-                # 23 bit 0 / bit 1: q / k normed over the whole projection row; their eps in float 3)
-                21: qn.w if qn else -1, 22: kn.w if kn else -1,
-                23: int(bool(qn and qn.whole)) | 2 * int(bool(kn and kn.whole))}, floats)
+                window=window,
+                # q/k norms applied on load (q's gains, k's for the fused append, -1 none; whether
+                # each is over the whole projection row)
+                q_norm_w=qn.w if qn else -1, k_norm_w=kn.w if kn else -1,
+                qk_norm_whole=int(bool(qn and qn.whole)) | 2 * int(bool(kn and kn.whole)),
+                scale=float(scale), softcap=float(n.attrs.get("softcap", 0.0) or 0.0), alibi=slope, qk_eps=qk_eps)
 
         def reads(h: int, mode: str = "decode") -> list[Region]:
             g = h // (hq // hkv)
@@ -178,8 +182,8 @@ class AttentionTasks(TaskBuilderCore):
             if t.fuse_combine:
                 self.views[id(n.output)] = AttnOut(out, part, S, D)
                 return
-            d_comb = self.desc(f"{n.name}.combine", {0: self.buffers[part.name].offset,
-                                                     1: self.buffers[out.name].offset, 2: out.cols, 3: D, 4: S})
+            d_comb = self.desc(f"{n.name}.combine", CombineDesc, partials=self.buffers[part.name].offset,
+                               out_off=self.buffers[out.name].offset, out_stride=out.cols, head_dim=D, splits=S)
             self.add_op(f"{n.name}.combine", {"prefill": [], "decode": [
                 Task(OP_ATTN_COMBINE, d_comb, h, reads=[Region(part.name, h * S, (h + 1) * S)],
                      writes=[Region(out.name, h * D, (h + 1) * D)], label=f"{n.name}.combine[h{h}]")

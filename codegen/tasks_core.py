@@ -15,6 +15,7 @@ from zlc.bundle import OP_LINEAR
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
 
+from .descriptors import Desc, LinearDesc
 from .pack import Layout
 from .program import ACTIVATIONS, NORM_COMBINE, NORM_NONE, Buffer, Region, Task, Tiling
 
@@ -131,8 +132,9 @@ class TaskBuilderCore:
                                 f"{'nothing' if v is None else v.kind + ' %' + v.name}")
         return v
 
-    def desc(self, label: str, ints: dict[int, int], floats: dict[int, float] | None = None) -> int:
-        return self.layout.desc(label, ints, floats)
+    def desc(self, label: str, schema: type[Desc], **fields: float) -> int:
+        """A descriptor row of op `schema` with these fields (descriptors.py), the rest zero."""
+        return self.layout.desc(label, *schema.row(**fields))
 
 
     # -- views
@@ -171,7 +173,7 @@ class TaskBuilderCore:
     def linear_op(self, node: Node, label: str, x: View, w: Value | None, n: int, *,
                   w2: Value | None = None, bias: Value | None = None, act: str = "none",
                   residual: Buf | None = None, out: Buf | None = None, lm: bool = False,
-                  softcap: float = 0.0, expert: int | None = None, route: dict[int, int] | None = None) -> Buf:
+                  softcap: float = 0.0, expert: int | None = None, route: dict[str, int] | None = None) -> Buf:
         if isinstance(x, Norm):
             src, nk, nw, nb, eps = x.src, x.kind, x.w, x.b, x.eps
         elif isinstance(x, (Buf, AttnOut)):
@@ -195,26 +197,23 @@ class TaskBuilderCore:
         per = 1 if not t.max_linear_tasks else -(-nblocks // t.max_linear_tasks)
         ranges = [(b * bn, min(n, (b + per) * bn)) for b in range(0, nblocks, per)]
         partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
-        d = self.desc(label, {
-            0: self.buffers[src.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node) + at,
-            5: self.w(w2, node) + at if w2 is not None else -1, 6: self.p(bias, node),
-            7: self.buffers[residual.name].offset if residual else -1,
-            8: self.buffers[out.name].offset, 9: out.cols, 10: nk, 11: nw, 12: nb, 13: ACTIVATIONS[act],
-            14: int(lm), 15: self.buffers[partials.name].offset if partials else -1, **(route or {})}, {0: eps, 1: softcap})
-        routed = [Region(self.route_buf[route[16]], 0, route[17])] if route else []
+        common = dict(
+            x_stride=src.cols, k=src.cols, n=n, w=self.w(wv, node) + at,
+            w2=self.w(w2, node) + at if w2 is not None else -1, bias=self.p(bias, node),
+            res_off=self.buffers[residual.name].offset if residual else -1,
+            out_off=self.buffers[out.name].offset, out_stride=out.cols, act=ACTIVATIONS[act], lm=int(lm),
+            lm_partials=self.buffers[partials.name].offset if partials else -1, eps=eps, softcap=softcap)
+        d = self.desc(label, LinearDesc, x_off=self.buffers[src.name].offset, norm=nk, norm_w=nw, norm_b=nb,
+                      **common, **(route or {}))
+        routed = [Region(self.route_buf[route["route_logits"]], 0, route["route_experts"])] if route else []
         # Decode after split-KV attention with fuse_combine: the row is merged from the attention
-        # partials as it is loaded (NORM_COMBINE: x_off is the partials, 11/12 the splits and head
-        # size), so no combine op stands between attention and this projection.
+        # partials as it is loaded (NORM_COMBINE: x_off is the partials), so no combine op stands
+        # between attention and this projection.
         merged = isinstance(x, AttnOut) and x.partials is not None
         if merged:
             assert isinstance(x, AttnOut) and x.partials is not None
-            d_dec = self.desc(label + ".merged", {
-                0: self.buffers[x.partials.name].offset, 1: src.cols, 2: src.cols, 3: n, 4: self.w(wv, node),
-                5: self.w(w2, node) if w2 is not None else -1, 6: self.p(bias, node),
-                7: self.buffers[residual.name].offset if residual else -1,
-                8: self.buffers[out.name].offset, 9: out.cols, 10: NORM_COMBINE, 11: x.splits, 12: x.head_dim,
-                13: ACTIVATIONS[act], 14: int(lm), 15: self.buffers[partials.name].offset if partials else -1},
-                {0: eps, 1: softcap})
+            d_dec = self.desc(label + ".merged", LinearDesc, x_off=self.buffers[x.partials.name].offset,
+                              norm=NORM_COMBINE, merge_splits=x.splits, merge_head_dim=x.head_dim, **common)
 
         def tasks_for(mode: str) -> list[Task]:
             out_tasks = []

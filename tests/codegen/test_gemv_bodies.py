@@ -6,15 +6,21 @@ from types import SimpleNamespace
 
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
+from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.emit import MAX_CHUNK, MERGED_NARROW_SPLITS, gemv_bodies
 
 
 def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32, kv_splits: int = 1) -> SimpleNamespace:
-    """One decode Linear task per (K, norm, gated, field 12) with a descriptor holding just those."""
+    """One decode Linear task per (K, norm, gated, word 12: the LayerNorm bias or, merged, the
+    head size) with a descriptor holding just those."""
     desc, tasks = [], []
-    for i, (k, norm, gated, f12) in enumerate(shapes):
-        di = [0] * 16
-        di[2], di[5], di[10], di[12] = k, (4096 if gated else -1), norm, f12
+    for i, (k, norm, gated, w12) in enumerate(shapes):
+        di = [0] * fmt.DESC_WORDS
+        merged = norm == pg.NORM_COMBINE
+        ints, _ = LinearDesc.row(k=k, w2=4096 if gated else -1, norm=norm,
+                                 **{"merge_head_dim" if merged else "norm_b": w12})
+        for word, v in ints.items():
+            di[word] = v
         desc.append(di)
         tasks.append(SimpleNamespace(op=fmt.OP_LINEAR, desc=i, a=0, b=block_n))
     return SimpleNamespace(tables={"decode": tasks}, desc_int=desc,

@@ -16,62 +16,68 @@ import pytest
 
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
+from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen.emit import Features, render
 
 # Code that exists only for one feature: a model without it must not contain any of it.
 MARKERS: dict[str, list[str]] = {
-    "window": ["window = tl.load(di + 20)", "if window > 0"],
-    "attn_softcap": ["softcap = tl.load(DF + d * DESC_FLOATS + 1)", "tl.sigmoid(2.0 * s / softcap)"],
-    "alibi": ["alibi = tl.load(DF + d * DESC_FLOATS + 2)", "alibi * js", "alibi * past"],
-    "qk_norm": ["def _qk_rstd(", "tl.load(DI + d * DESC_WORDS + 21 + which)", "rstd[:, None] * tl.load(P + nw + gofs"],
-    "qk_norm_whole": ["tl.load(DI + d * DESC_WORDS + 23)", "if whole != 0"],
-    "moe_route": ["def _route_weight(", "route = tl.load(di + 21)", "_route_weight(A, di"],
-    "lm_softcap": [" cap = tl.load(DF + d * DESC_FLOATS + 1)", "tl.sigmoid(2.0 * y / cap)"],
+    "window": ["window = tl.load(di + DI_ATTENTION_WINDOW)", "if window > 0"],
+    "attn_softcap": ["softcap = tl.load(DF + d * DESC_FLOATS + DF_ATTENTION_SOFTCAP)", "tl.sigmoid(2.0 * s / softcap)"],
+    "alibi": ["alibi = tl.load(DF + d * DESC_FLOATS + DF_ATTENTION_ALIBI)", "alibi * js", "alibi * past"],
+    "qk_norm": ["def _qk_rstd(", "tl.load(DI + d * DESC_WORDS + DI_ATTENTION_Q_NORM_W + which)",
+                "rstd[:, None] * tl.load(P + nw + gofs"],
+    "qk_norm_whole": ["tl.load(DI + d * DESC_WORDS + DI_ATTENTION_QK_NORM_WHOLE)", "if whole != 0"],
+    "moe_route": ["def _route_weight(", "route = tl.load(di + DI_LINEAR_ROUTE)", "_route_weight(A, di"],
+    "lm_softcap": [" cap = tl.load(DF + d * DESC_FLOATS + DF_LINEAR_SOFTCAP)", "tl.sigmoid(2.0 * y / cap)"],
     "bias": ["tl.load(P + b_off + cols"],
-    "embed_norm": ["norm = tl.load(di + 5)", "if norm != 0"],
-    "embed_pos": ["pos_tab = tl.load(di + 4)", "if pos_tab >= 0"],
-    "mlp_split_k": ["def _down_add(", "if copy != 0", "down = tl.load(di + 22)"],
+    "embed_norm": ["norm = tl.load(di + DI_EMBED_NORM)", "if norm != 0"],
+    "embed_pos": ["pos_tab = tl.load(di + DI_EMBED_POS_TABLE)", "if pos_tab >= 0"],
+    "mlp_split_k": ["def _down_add(", "if copy != 0", "down = tl.load(di + DI_LINEAR_DOWN_ROWS)"],
 }
 ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
 FLAGS = [f.name for f in fields(Features) if f.name != "activations"]
+Fields = dict[str, float]
 
 
-def _program(*descs: tuple[int, dict[int, int], dict[int, float]]) -> SimpleNamespace:
-    """A program whose decode table has one task per (op, int fields, float fields): the fields a
-    scheduler would set, the rest as pack.py leaves them (0), plus a plain Llama's -1 "none"s."""
-    plain = {fmt.OP_ATTENTION: {21: -1, 22: -1}, fmt.OP_CACHE_APPEND: {21: -1}, fmt.OP_LINEAR: {6: -1, 5: -1},
-             fmt.OP_EMBED: {4: -1}}
+def _program(*descs: tuple[type[Desc], Fields]) -> SimpleNamespace:
+    """A program whose decode table has one task per (op, fields): the fields a scheduler would
+    set, the rest as pack.py leaves them (0), plus a plain Llama's -1 "none"s."""
+    plain: dict[type[Desc], Fields] = {AttentionDesc: dict(q_norm_w=-1, k_norm_w=-1),
+                                       CacheAppendDesc: dict(k_norm_w=-1), LinearDesc: dict(bias=-1, w2=-1),
+                                       EmbedDesc: dict(pos_table=-1)}
     di = np.zeros((len(descs), fmt.DESC_WORDS), np.int64)
     df = np.zeros((len(descs), fmt.DESC_FLOATS), np.float32)
     tasks = []
-    for i, (op, ints, floats) in enumerate(descs):
-        for k, v in {**plain.get(op, {}), **ints}.items():
+    for i, (schema, values) in enumerate(descs):
+        ints, floats = schema.row(**{**plain.get(schema, {}), **values})
+        for k, v in ints.items():
             di[i, k] = v
         for k, fv in floats.items():
             df[i, k] = fv
-        tasks.append(SimpleNamespace(op=op, desc=i, a=0, b=16))
+        tasks.append(SimpleNamespace(op=schema.op, desc=i, a=0, b=16))
     return SimpleNamespace(model="synthetic", tables={"prefill": [], "decode": tasks}, desc_int=di, desc_float=df,
                            tiling=SimpleNamespace(block_n=16, lm_block_n=0, kv_splits=1))
 
 
-PLAIN = [(fmt.OP_EMBED, {}, {0: 1.0}), (fmt.OP_ATTENTION, {}, {0: 0.25}), (fmt.OP_CACHE_APPEND, {}, {}),
-         (fmt.OP_LINEAR, {2: 64, 10: pg.NORM_RMS}, {0: 1e-5}),
-         (fmt.OP_LINEAR, {2: 64, 5: 4096, 10: pg.NORM_RMS, 13: 1}, {0: 1e-5})]
+PLAIN: list[tuple[type[Desc], Fields]] = [
+    (EmbedDesc, dict(scale=1.0)), (AttentionDesc, dict(scale=0.25)), (CacheAppendDesc, {}),
+    (LinearDesc, dict(k=64, norm=pg.NORM_RMS, eps=1e-5)),
+    (LinearDesc, dict(k=64, w2=4096, norm=pg.NORM_RMS, act=1, eps=1e-5))]
 
 # One task that turns each feature on (its descriptor fields as tasks.py writes them).
-ONE: dict[str, tuple[int, dict[int, int], dict[int, float]]] = {
-    "window": (fmt.OP_ATTENTION, {20: 4}, {}),
-    "attn_softcap": (fmt.OP_ATTENTION, {}, {1: 50.0}),
-    "alibi": (fmt.OP_ATTENTION, {}, {2: -0.25}),
-    "qk_norm": (fmt.OP_CACHE_APPEND, {21: 128}, {3: 1e-6}),
-    "qk_norm_whole": (fmt.OP_ATTENTION, {21: 128, 22: 192, 23: 3}, {3: 1e-6}),
-    "moe_route": (fmt.OP_LINEAR, {2: 64, 16: 0, 17: 4, 18: 2, 19: 1, 21: 2}, {}),
-    "lm_softcap": (fmt.OP_LINEAR, {2: 64, 14: 1}, {1: 30.0}),
-    "bias": (fmt.OP_LINEAR, {2: 64, 6: 256}, {}),
-    "embed_norm": (fmt.OP_EMBED, {5: pg.NORM_LAYER, 6: 0, 7: 64}, {0: 1.0, 1: 1e-5}),
-    "embed_pos": (fmt.OP_EMBED, {4: 4096}, {0: 1.0}),
-    "mlp_split_k": (fmt.OP_LINEAR, {2: 64, 3: 128, 5: 4096, 10: pg.NORM_RMS, 13: 1, 16: 8192, 17: 512, 18: -1, 22: 64},
-                    {}),
+ONE: dict[str, tuple[type[Desc], Fields]] = {
+    "window": (AttentionDesc, dict(window=4)),
+    "attn_softcap": (AttentionDesc, dict(softcap=50.0)),
+    "alibi": (AttentionDesc, dict(alibi=-0.25)),
+    "qk_norm": (CacheAppendDesc, dict(k_norm_w=128, qk_eps=1e-6)),
+    "qk_norm_whole": (AttentionDesc, dict(q_norm_w=128, k_norm_w=192, qk_norm_whole=3, qk_eps=1e-6)),
+    "moe_route": (LinearDesc, dict(k=64, route_logits=0, route_experts=4, route_top_k=2, route_expert=1, route=2)),
+    "lm_softcap": (LinearDesc, dict(k=64, lm=1, softcap=30.0)),
+    "bias": (LinearDesc, dict(k=64, bias=256)),
+    "embed_norm": (EmbedDesc, dict(norm=pg.NORM_LAYER, norm_w=0, norm_b=64, scale=1.0, eps=1e-5)),
+    "embed_pos": (EmbedDesc, dict(pos_table=4096, scale=1.0)),
+    "mlp_split_k": (LinearDesc, dict(k=64, n=128, w2=4096, norm=pg.NORM_RMS, act=1, down_w=8192, down_out=512,
+                                     down_bias=-1, down_rows=64)),
 }
 IMPLIES = {"qk_norm_whole": {"qk_norm"}}  # a whole-row q/k norm is a q/k norm
 
@@ -106,7 +112,7 @@ def test_each_feature_is_compiled_in_where_a_task_uses_it(feature: str) -> None:
 
 def test_features_are_the_union_over_programs_modes_and_activations() -> None:
     a = _program(*PLAIN, ONE["window"])
-    b = _program(*PLAIN, (fmt.OP_LINEAR, {2: 64, 13: 3}, {}), (fmt.OP_LINEAR, {2: 64, 13: 4}, {}))
+    b = _program(*PLAIN, (LinearDesc, dict(k=64, act=3)), (LinearDesc, dict(k=64, act=4)))
     b.tables = {"prefill": b.tables["decode"], "decode": []}  # a feature only prefill uses counts too
     f = Features.of([a, b])
     assert f.window and f.activations == (1, 3, 4) and f.used() == ["window", "silu", "gelu_tanh", "relu"]
@@ -114,7 +120,7 @@ def test_features_are_the_union_over_programs_modes_and_activations() -> None:
 
 
 def test_every_combination_renders_valid_python() -> None:
-    every = _program(*PLAIN, *ONE.values(), (fmt.OP_LINEAR, {2: 64, 13: 2}, {}))
+    every = _program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)))
     f = Features.of([every])
     assert all(getattr(f, n) for n in FLAGS) and f.activations == (1, 2)
     _check_source(_source(every), f)

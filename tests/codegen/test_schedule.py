@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from zlc import bundle as fmt
 from zlc.bundle import OP_NAMES
 from zlc.codegen import program as pg
+from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.program import Program, Region, Task, Tiling
 from zlc.codegen.schedule import happens_before, schedule, signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
@@ -169,7 +170,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
     dec = p.tables["decode"]
     assert _hist(dec) == _expected_hist(p.tiling, "decode")
     hb = happens_before(dec)
-    merged = [i for i, t in enumerate(dec) if t.op == fmt.OP_LINEAR and int(p.desc_int[t.desc, 10]) == NORM_COMBINE]
+    merged = [i for i, t in enumerate(dec) if t.op == fmt.OP_LINEAR and int(p.desc_int[t.desc, LinearDesc.norm]) == NORM_COMBINE]
     assert len(merged) == m["layers"] * _linear_tasks(m["hidden"], p.tiling)  # every o-projection task
     splits_of_layer: dict[str, set[int]] = {}
     for j, t in enumerate(dec):
@@ -181,7 +182,7 @@ def test_split_kv_for_long_contexts(lower_model: Any) -> None:
         before = {j for j in range(len(dec)) if hb[i] >> j & 1 and dec[j].op == fmt.OP_ATTENTION}
         assert any(before >= js for js in splits_of_layer.values()), dec[i].label
     prefill_merged = [t for t in p.tables["prefill"] if t.op == fmt.OP_LINEAR
-                      and int(p.desc_int[t.desc, 10]) == NORM_COMBINE]
+                      and int(p.desc_int[t.desc, LinearDesc.norm]) == NORM_COMBINE]
     assert not prefill_merged  # prefill attention writes its output rows directly
     # the unfused structure: one combine task per query head, on exactly its splits
     u = schedule(lowered.decode, replace(p.tiling, fuse_combine=False), 1024)
