@@ -395,7 +395,7 @@ def _show_manifest(b: Build) -> str:
 
 
 COMPILE_STAGES: tuple[CompileStage, ...] = (
-    CompileStage("lower", _lower, _show_lower, "the lowering pipeline (zlc.driver.LOWERING): raised prefill/decode"),
+    CompileStage("lower", _lower, _show_lower, "the lowering pipeline (zlc.driver.STAGES): raised prefill/decode"),
     CompileStage("verify", _verify, _show_verify, "the lowered model against ONNX Runtime or the torch module"),
     CompileStage("schedule", _schedule, _show_schedule, "task tables per tiling (cpu, gpu), validated"),
     CompileStage("emit", _emit, lambda b: b.kernel_source, "kernel.py from the template; the IR files"),

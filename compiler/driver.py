@@ -2,8 +2,9 @@
 
     import -> fold -> canonicalize -> cse -> dce -> raise -> cleanup -> kv-cache
 
-`LOWERING` is that list: the frontend (`import`) makes a graph, each `GraphStage` edits it in
-place, and KV-cache synthesis (`kv-cache`) derives the prefill and decode graphs from it. The
+`STAGES` names that list: the frontend (`import`) makes a graph, each `GraphStage` of
+`GRAPH_STAGES` edits it in place, and KV-cache synthesis (`kv-cache`) derives the prefill and
+decode graphs from it. The
 `raise` stage runs the raising rule sets (`zlc.passes.raise_all.RAISING`), each of which is a
 dump point of its own (`RAISE_STAGES`). Every stage, and every rule set, can be dumped
 (`zlc inspect MODEL --ir --after raise-attention`) and reports its time and statistics from the same
