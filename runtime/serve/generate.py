@@ -17,9 +17,9 @@ import orjson
 
 from . import api_anthropic, api_openai
 from .api_common import ApiError, GenerationSpec, fit_context
-from .engine import EngineError
 from .http import HttpConnection, HttpRequest
-from .rings import Request, ResultFlag
+from .protocol import EngineError, ResultFlag
+from .rings import Request
 from .state import ServerState
 from .textstream import TextStream
 

@@ -35,12 +35,12 @@ from zlc.errors import ZlcError
 
 from . import frame_auth
 from .api_common import ApiError
-from .engine import EngineError
 from .engine_client import EngineClient
 from .frame_ingress import FrameConnection, FrameDatagram
 from .generate import error_response, generate
 from .http import HttpConnection, HttpLimits, HttpRequest, serve_http
 from .metrics import ServerMetrics
+from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
 ARCHITECTURE = "zero-layer-v1"
