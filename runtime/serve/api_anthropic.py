@@ -18,12 +18,13 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
-    check_model,
     get_bool,
     get_float,
     get_int,
+    get_messages,
     get_stops,
     invalid,
+    request_fields,
     text_of,
 )
 
@@ -93,13 +94,7 @@ class AnthropicApi:
     bad_key = "invalid x-api-key"
 
     def parse(self, body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
-        """The validated request (its prompt ids still empty) and the chat to tokenize."""
-        if not isinstance(body, dict):
-            raise invalid("the request body must be a JSON object")
-        extra = sorted(set(body) - KNOWN_FIELDS)
-        if extra:
-            raise invalid(f"{extra[0]}: Extra inputs are not permitted", extra[0])
-        check_model(body.get("model"), served_model)
+        body = request_fields(body, KNOWN_FIELDS, "{}: Extra inputs are not permitted", served_model)
         max_tokens = get_int(body, "max_tokens", required=True, lo=1)
         assert max_tokens is not None
         for unsupported in REFUSED_FIELDS:
@@ -109,13 +104,7 @@ class AnthropicApi:
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: Input should be an object", "metadata")
-        messages = body.get("messages")
-        if messages is None:
-            raise invalid("messages: Field required", "messages")
-        if not isinstance(messages, list):
-            raise invalid("messages: Input should be a valid list", "messages")
-        if not messages:
-            raise invalid("messages: at least one message is required", "messages")
+        messages = get_messages(body)
         chat: list[dict[str, str]] = []
         system = body.get("system")
         if system is not None:

@@ -109,6 +109,30 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_request_error", message, param=param)
 
 
+def request_fields(body: Any, known: frozenset[str], unknown: str, served_model: str) -> dict[str, Any]:
+    """The body as a request: a JSON object of `known` fields only, for the served model. `unknown`
+    words the error that names the first other field (its ``{}``), as each API words it."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    extra = sorted(set(body) - known)
+    if extra:
+        raise invalid(unknown.format(extra[0]), extra[0])
+    check_model(body.get("model"), served_model)
+    return body
+
+
+def get_messages(body: dict[str, Any]) -> list[Any]:
+    """The request's messages: a list of at least one (each API checks the messages themselves)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages: Field required", "messages")
+    if not isinstance(messages, list):
+        raise invalid("messages: Input should be a valid list", "messages")
+    if not messages:
+        raise invalid("messages: at least one message is required", "messages")
+    return messages
+
+
 def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: int | None = None,
             lo: int | None = None) -> int | None:
     v = body.get(key)

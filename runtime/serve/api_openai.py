@@ -15,12 +15,13 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
-    check_model,
     get_bool,
     get_float,
     get_int,
+    get_messages,
     get_stops,
     invalid,
+    request_fields,
     text_of,
 )
 
@@ -100,13 +101,7 @@ class OpenAiApi:
     bad_key = "Incorrect API key provided"
 
     def parse(self, body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
-        """The validated request (its prompt ids still empty) and the chat to tokenize."""
-        if not isinstance(body, dict):
-            raise invalid("the request body must be a JSON object")
-        extra = sorted(set(body) - KNOWN_FIELDS)
-        if extra:
-            raise invalid(f"Unrecognized request argument supplied: {extra[0]}", extra[0])
-        check_model(body.get("model"), served_model)
+        body = request_fields(body, KNOWN_FIELDS, "Unrecognized request argument supplied: {}", served_model)
         for unsupported in REFUSED_FIELDS:
             if body.get(unsupported) not in (None, [], {}, "none"):
                 raise invalid(f"{unsupported}: not supported by zlc serve (text generation only)",
@@ -126,13 +121,7 @@ class OpenAiApi:
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1)
-        messages = body.get("messages")
-        if messages is None:
-            raise invalid("messages: Field required", "messages")
-        if not isinstance(messages, list):
-            raise invalid("messages: Input should be a valid list", "messages")
-        if not messages:
-            raise invalid("messages: at least one message is required", "messages")
+        messages = get_messages(body)
         chat = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
