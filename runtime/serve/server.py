@@ -8,8 +8,9 @@ Per request, Python runs only the glue between those compiled parts; nothing els
 no middleware, no thread hop) sits between the socket and the ring.
 
 This module is the server's life and its routes: start-up (refusing unprotected frame ports),
-/health, /metrics, /v1/models, and the graceful drain on SIGTERM. The generation path is
-generate.py, binary frames frame_ingress.py, the engine's supervision supervisor.py.
+each request's API object (api_of: picked once, asked by everything after), /health, /metrics,
+/v1/models, and the graceful drain on SIGTERM. The generation path is generate.py, binary frames
+frame_ingress.py, the engine's supervision supervisor.py.
 
 Drain (SIGTERM/SIGINT): the listening sockets close (new connections are refused), /health and new
 requests on open connections answer 503, the requests in flight run on for up to
