@@ -3,10 +3,12 @@
     client -- HTTP (api_anthropic, api_openai over http) / frames (TCP, UDP; xdp) --> server (ingress)
            -- rings (shared memory, C11 atomics in _rings.c) --> engine (one executor, FIFO) --> client
 
-`server` owns the event loop, the routes and the drain on SIGTERM; `generate` is the HTTP generation
-path (with `prompts`: tokenizing off the loop), `frame_ingress` the binary frames (with `frame_auth`:
+`server` owns the event loop, the routes (each request's API object, `api_anthropic.ANTHROPIC` or
+`api_openai.OPENAI`, picked once) and the drain on SIGTERM; `generate` is the HTTP generation path
+(with `prompts`: tokenizing off the loop), `frame_ingress` the binary frames (with `frame_auth`:
 their MACs and UDP cookies); `supervisor` keeps the engine alive through `engine_client`, one spawned
-engine process, and `engine` runs in that process over `zlc.runtime.loader`; `textstream` turns token
+engine process, and `engine` runs in that process over `zlc.runtime.loader`; the two sides share
+`protocol` (the rings' flags and error codes) and never import each other; `textstream` turns token
 ids into text deltas, `metrics` is /metrics. docs/serving.md has the design and docs/frames.md the
 binary frame format.
 The wing stands on the runtime (it loads bundles through `zlc.runtime.loader`) and imports no

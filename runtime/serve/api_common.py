@@ -1,15 +1,17 @@
-"""What the Anthropic and OpenAI front ends share: the validated generation request, API errors,
-and strict field checks (a wrong type names the field instead of failing later)."""
+"""What the Anthropic and OpenAI front ends share: the shape of an API object (`Api`: its parsing,
+replies, errors and model list; api_anthropic.ANTHROPIC and api_openai.OPENAI are the two), the
+validated generation request, API errors, and strict field checks (a wrong type names the field
+instead of failing later)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class ApiError(Exception):
     """An error answered to the client. ``kind`` is the Anthropic error type; the OpenAI front end
-    maps it to its own shape (see api_openai.error_body)."""
+    maps it to its own shape (see OpenAiApi.error_body)."""
 
     STATUS = {
         "invalid_request_error": 400,
@@ -58,8 +60,77 @@ class ChatPrompt:
     prefill: str | None = None
 
 
+class Reply(Protocol):
+    """One reply's wire form in its API's shapes; the generation path feeds it text as tokens arrive.
+    ``reason`` is eos, max_tokens or stop_sequence."""
+
+    id: str  # also sent as the request-id header
+
+    def stream_head(self) -> bytes:
+        """What a stream starts with (it goes out with the first token)."""
+
+    def stream_delta(self, text: str) -> bytes:
+        """One piece of text as a stream event."""
+
+    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        """What ends a stream."""
+
+    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+        """The whole reply as one JSON body (not streaming)."""
+
+
+class Api(Protocol):
+    """One HTTP API: everything of a request that depends on which API it came in through. The route
+    picks the object (server.py); what runs after it asks the object and never the API's name."""
+
+    name: str  # its label in /metrics
+    bad_key: str  # the 401's message on its generation path
+
+    def parse(self, body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
+        """The validated request (its prompt ids still empty) and the chat to tokenize."""
+
+    def reply(self, model: str, spec: GenerationSpec) -> Reply:
+        """The reply to `spec`, once its prompt ids are known."""
+
+    def status(self, e: ApiError) -> int:
+        """The HTTP status that answers `e`."""
+
+    def error_body(self, e: ApiError) -> bytes:
+        """`e` as a whole response body."""
+
+    def stream_error(self, e: ApiError) -> bytes:
+        """`e` as the event that ends a stream already under way."""
+
+    def models(self, model: str, created: int, max_seq: int, *, single: bool) -> bytes:
+        """GET /v1/models, or /v1/models/{model} when `single`; `created` is a Unix time."""
+
+
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError("invalid_request_error", message, param=param)
+
+
+def request_fields(body: Any, known: frozenset[str], unknown: str, served_model: str) -> dict[str, Any]:
+    """The body as a request: a JSON object of `known` fields only, for the served model. `unknown`
+    words the error that names the first other field (its ``{}``), as each API words it."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    extra = sorted(set(body) - known)
+    if extra:
+        raise invalid(unknown.format(extra[0]), extra[0])
+    check_model(body.get("model"), served_model)
+    return body
+
+
+def get_messages(body: dict[str, Any]) -> list[Any]:
+    """The request's messages: a list of at least one (each API checks the messages themselves)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages: Field required", "messages")
+    if not isinstance(messages, list):
+        raise invalid("messages: Input should be a valid list", "messages")
+    if not messages:
+        raise invalid("messages: at least one message is required", "messages")
+    return messages
 
 
 def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: int | None = None,

@@ -1,6 +1,7 @@
-"""OpenAI's Chat Completions API (`POST /v1/chat/completions`): validation into a GenerationSpec,
-`chat.completion.chunk` SSE events ending in `data: [DONE]` (with a usage chunk when
-`stream_options.include_usage`), the non-streaming completion, and OpenAI-shaped errors."""
+"""OpenAI's Chat Completions API (`POST /v1/chat/completions`) as one `Api` object, OPENAI:
+validation into a GenerationSpec, `chat.completion.chunk` SSE events ending in `data: [DONE]` (with
+a usage chunk when `stream_options.include_usage`), the non-streaming completion, OpenAI-shaped
+errors, and the model list in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
-    check_model,
     get_bool,
     get_float,
     get_int,
+    get_messages,
     get_stops,
     invalid,
+    request_fields,
     text_of,
 )
 
@@ -49,85 +51,9 @@ _KINDS = {
 }
 
 
-def status_of(e: ApiError) -> int:
-    """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""
-    return 429 if e.kind == "overloaded_error" else e.status
+class CompletionReply:
+    """One reply's wire form (api_common.Reply)."""
 
-
-def parse(body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
-    """The validated request (its prompt ids still empty) and the chat to tokenize."""
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    extra = sorted(set(body) - KNOWN_FIELDS)
-    if extra:
-        raise invalid(f"Unrecognized request argument supplied: {extra[0]}", extra[0])
-    check_model(body.get("model"), served_model)
-    for unsupported in REFUSED_FIELDS:
-        if body.get(unsupported) not in (None, [], {}, "none"):
-            raise invalid(f"{unsupported}: not supported by zlc serve (text generation only)", unsupported)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
-    if body.get("modalities") not in (None, ["text"]):
-        raise invalid("modalities: only [\"text\"] is supported", "modalities")
-    if body.get("logprobs"):
-        raise invalid("logprobs: not supported", "logprobs")
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        if get_float(body, penalty, 0.0, -2.0, 2.0) != 0.0:
-            raise invalid(f"{penalty}: only 0 is supported", penalty)
-    n = get_int(body, "n", default=1, lo=1)
-    if n != 1:
-        raise invalid("n: only n=1 is supported (batch 1)", "n")
-    max_tokens = get_int(body, "max_completion_tokens", lo=1)
-    if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", lo=1)
-    messages = body.get("messages")
-    if messages is None:
-        raise invalid("messages: Field required", "messages")
-    if not isinstance(messages, list):
-        raise invalid("messages: Input should be a valid list", "messages")
-    if not messages:
-        raise invalid("messages: at least one message is required", "messages")
-    chat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]: Input should be an object", "messages")
-        given = m.get("role")
-        role = ROLES.get(given) if isinstance(given, str) else None
-        if role is None:
-            raise invalid(f"messages[{i}].role: {m.get('role')!r} is not supported "
-                          "(system, developer, user, assistant)", "messages")
-        content = m.get("content")
-        if content is None:
-            raise invalid(f"messages[{i}].content: Field required", "messages")
-        chat.append({"role": role, "content": text_of(content, f"messages[{i}]")})
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise invalid("stream_options: Input should be an object", "stream_options")
-    if opts is not None and not isinstance(opts.get("include_usage", False), bool):
-        raise invalid("stream_options.include_usage: Input should be a valid boolean", "stream_options")
-    seed = get_int(body, "seed")
-    if seed is not None and not -2**63 <= seed < 2**63:
-        raise invalid("seed: Input should be a 64-bit integer", "seed")
-    spec = GenerationSpec(
-        prompt_ids=[],
-        max_tokens=max_tokens if max_tokens is not None else 0,  # 0: the rest of the context (fit_context)
-        stream=get_bool(body, "stream"),
-        temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
-        # the ring carries a u64: a negative seed is its two's complement, still one seed per value
-        seed=seed % 2**64 if seed is not None else secrets.randbits(63),
-        stop_sequences=get_stops(body.get("stop"), "stop", 4),
-        include_usage=bool(opts and opts.get("include_usage")),
-    )
-    return spec, ChatPrompt(chat)
-
-
-def error_body(e: ApiError) -> bytes:
-    kind, code = _KINDS.get(e.kind, ("server_error", None))
-    return orjson.dumps({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
-
-
-class Reply:
     def __init__(self, model: str, input_tokens: int, include_usage: bool = False):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.model = model
@@ -159,10 +85,6 @@ class Reply:
             out += (self._prefix + b',"choices":[],"usage":' + orjson.dumps(self._usage(output_tokens)) + b"}\n\n")
         return out + b"data: [DONE]\n\n"
 
-    @staticmethod
-    def stream_error(e: ApiError) -> bytes:
-        return b"data: " + error_body(e) + b"\n\n"
-
     def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
         return orjson.dumps({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -170,3 +92,88 @@ class Reply:
                          "logprobs": None, "finish_reason": FINISH_REASON[reason]}],
             "usage": self._usage(output_tokens),
         })
+
+
+class OpenAiApi:
+    """The Chat Completions API's shapes (api_common.Api)."""
+
+    name = "openai"
+    bad_key = "Incorrect API key provided"
+
+    def parse(self, body: Any, served_model: str) -> tuple[GenerationSpec, ChatPrompt]:
+        body = request_fields(body, KNOWN_FIELDS, "Unrecognized request argument supplied: {}", served_model)
+        for unsupported in REFUSED_FIELDS:
+            if body.get(unsupported) not in (None, [], {}, "none"):
+                raise invalid(f"{unsupported}: not supported by zlc serve (text generation only)",
+                              unsupported)
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
+        if body.get("modalities") not in (None, ["text"]):
+            raise invalid("modalities: only [\"text\"] is supported", "modalities")
+        if body.get("logprobs"):
+            raise invalid("logprobs: not supported", "logprobs")
+        for penalty in ("frequency_penalty", "presence_penalty"):
+            if get_float(body, penalty, 0.0, -2.0, 2.0) != 0.0:
+                raise invalid(f"{penalty}: only 0 is supported", penalty)
+        n = get_int(body, "n", default=1, lo=1)
+        if n != 1:
+            raise invalid("n: only n=1 is supported (batch 1)", "n")
+        max_tokens = get_int(body, "max_completion_tokens", lo=1)
+        if max_tokens is None:
+            max_tokens = get_int(body, "max_tokens", lo=1)
+        messages = get_messages(body)
+        chat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise invalid(f"messages[{i}]: Input should be an object", "messages")
+            given = m.get("role")
+            role = ROLES.get(given) if isinstance(given, str) else None
+            if role is None:
+                raise invalid(f"messages[{i}].role: {m.get('role')!r} is not supported "
+                              "(system, developer, user, assistant)", "messages")
+            content = m.get("content")
+            if content is None:
+                raise invalid(f"messages[{i}].content: Field required", "messages")
+            chat.append({"role": role, "content": text_of(content, f"messages[{i}]")})
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise invalid("stream_options: Input should be an object", "stream_options")
+        if opts is not None and not isinstance(opts.get("include_usage", False), bool):
+            raise invalid("stream_options.include_usage: Input should be a valid boolean", "stream_options")
+        seed = get_int(body, "seed")
+        if seed is not None and not -2**63 <= seed < 2**63:
+            raise invalid("seed: Input should be a 64-bit integer", "seed")
+        spec = GenerationSpec(
+            prompt_ids=[],
+            # 0: the rest of the context (fit_context)
+            max_tokens=max_tokens if max_tokens is not None else 0,
+            stream=get_bool(body, "stream"),
+            temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            # the ring carries a u64: a negative seed is its two's complement, still one seed per value
+            seed=seed % 2**64 if seed is not None else secrets.randbits(63),
+            stop_sequences=get_stops(body.get("stop"), "stop", 4),
+            include_usage=bool(opts and opts.get("include_usage")),
+        )
+        return spec, ChatPrompt(chat)
+
+    def reply(self, model: str, spec: GenerationSpec) -> CompletionReply:
+        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage)
+
+    def status(self, e: ApiError) -> int:
+        """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""
+        return 429 if e.kind == "overloaded_error" else e.status
+
+    def error_body(self, e: ApiError) -> bytes:
+        kind, code = _KINDS.get(e.kind, ("server_error", None))
+        return orjson.dumps({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
+
+    def stream_error(self, e: ApiError) -> bytes:
+        return b"data: " + self.error_body(e) + b"\n\n"
+
+    def models(self, model: str, created: int, max_seq: int, *, single: bool) -> bytes:
+        entry = {"id": model, "object": "model", "created": created, "owned_by": "zlc"}
+        return orjson.dumps(entry if single else {"object": "list", "data": [entry]})
+
+
+OPENAI = OpenAiApi()

@@ -17,14 +17,14 @@ after results): the idle side sleeps in the kernel instead of spinning on a 2-co
 the busy side pays one write() per batch. ``spin_us`` trades a core for lower wake-up latency.
 
 Result flags: EOS on an end-of-sequence token, LAST on the final result of a request, ERROR with the
-error code (``EngineError``) in the token field.
+error code (``EngineError``) in the token field; flags and codes are protocol.py's, which the
+ingress imports too (it never imports this module).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import enum
 import os
 import select
 import signal
@@ -35,19 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rings import Request, RequestFlag, ResultFlag, RingRegion
-
-
-class EngineError(enum.IntEnum):
-    """Error codes carried in an ERROR result's token field."""
-
-    OVERLOADED = 1  # the waiting queue is full
-    BAD_REQUEST = 2  # the executor refused the prompt (too long, token outside the vocabulary)
-    INTERNAL = 3  # the executor failed
-    CANCELLED = 4  # a CANCEL request stopped it
-    # Never sent by the engine: the ingress ends a request with it when the engine is lost (exited,
-    # hung) or the server shuts down before the request finished. The same number as the frame code.
-    UNAVAILABLE = 8
+from .protocol import EngineError, RequestFlag, ResultFlag
+from .rings import Request, RingRegion
 
 
 @dataclass

@@ -24,7 +24,8 @@ from typing import Protocol
 
 from zlc.errors import ZlcError
 
-from .rings import Request, RequestFlag, ResultFlag, RingRegion
+from .protocol import RequestFlag, ResultFlag
+from .rings import Request, RingRegion
 
 PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from . import frame_auth, frames
 from .frames import FrameErrorCode, FrameFlag
-from .rings import Request, ResultFlag
+from .protocol import ResultFlag
+from .rings import Request
 from .state import ServerState
 
 UDP_BUFFER_BYTES = 8 << 20  # capped by net.core.rmem_max / wmem_max (deploy/sysctl.d raises those)

@@ -67,7 +67,7 @@ TRAILERS = FrameFlag.COOKIE | FrameFlag.MAC
 
 
 class FrameErrorCode(enum.IntEnum):
-    """Codes in an ERROR result frame (1..4 are the engine's `EngineError`)."""
+    """Codes in an ERROR result frame (1..4 and 8 are protocol.EngineError's, forwarded as they are)."""
 
     OVERLOADED = 1
     BAD_REQUEST = 2

@@ -1,6 +1,7 @@
-"""The HTTP generation path: a request body through its API's validation, the prompt encoder
-(prompts.py: off the loop for a big prompt), the engine, and back to the client as SSE events or
-one JSON body (HttpReply), in the API's own shapes, errors included.
+"""The HTTP generation path: one request from its body to the end of its reply. The route has
+chosen the request's API (api_common.Api); the body goes through that API's validation, the prompt
+encoder (prompts.py: off the loop for a big prompt), the engine, and back to the client as SSE
+events or one JSON body (HttpGeneration), in the API's own shapes, errors included.
 
 Every request that reaches the engine ends with exactly one of: the whole reply, the API's error
 body (before any byte of the reply), or the API's error event (once a stream has started); an
@@ -11,27 +12,23 @@ engine that is lost or a shutdown that runs out of time ends it the same way (En
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
 
 import orjson
 
-from . import api_anthropic, api_openai
-from .api_common import ApiError, GenerationSpec, fit_context
-from .engine import EngineError
+from .api_common import Api, ApiError, GenerationSpec, Reply, fit_context
 from .http import HttpConnection, HttpRequest
-from .rings import Request, ResultFlag
+from .protocol import EngineError, ResultFlag
+from .rings import Request
 from .state import ServerState
 from .textstream import TextStream
 
 
-def error_response(conn: HttpConnection, api: str, e: ApiError, headers: bytes = b"") -> None:
-    """The error as a whole response in `api`'s shape (OpenAI: 429 for overload), Retry-After included."""
+def error_response(conn: HttpConnection, api: Api, e: ApiError, headers: bytes = b"") -> None:
+    """The error as a whole response in `api`'s shape, Retry-After included."""
     if e.retry_after is not None:
         headers += b"retry-after: %d\r\n" % e.retry_after
-    if api == "openai":
-        conn.respond(api_openai.status_of(e), api_openai.error_body(e), headers=headers)
-    else:
-        conn.respond(e.status, api_anthropic.error_body(e), headers=headers)
+    conn.respond(api.status(e), api.error_body(e), headers=headers)
 
 
 def engine_error(server: ServerState, code: int) -> ApiError:
@@ -45,27 +42,73 @@ def engine_error(server: ServerState, code: int) -> ApiError:
     return ApiError("api_error", "the engine failed while generating (see the server log)")
 
 
-class HttpReply:
-    """One generation request on its way back to an HTTP client."""
+class HttpGeneration:
+    """One generation request while its prompt is tokenized (at once, or on a thread for a big one,
+    listed in ``server.tokenizing`` meanwhile) and then while the engine produces its reply.
 
-    __slots__ = ("server", "conn", "api", "reply", "spec", "text", "rid", "t0", "t_last", "produced", "started",
-                 "done", "headers")
+    It alone ends the request: ``done`` is set once, by the reply's end, ``fail`` or ``cancel`` (the
+    client went away: the connection calls it, generate() having handed it over), and every later
+    event (a result, the prompt's ids) asks ``done`` and is dropped."""
 
-    def __init__(self, server: ServerState, conn: HttpConnection, api: str, reply: Any, spec: GenerationSpec, t0: int):
-        self.server, self.conn, self.api, self.reply, self.spec = server, conn, api, reply, spec
+    __slots__ = ("server", "conn", "api", "spec", "reply", "text", "rid", "t0", "t_last", "produced",
+                 "started", "done", "headers")
+    reply: Reply  # made once the prompt's length is known (encoded); results come only after that
+
+    def __init__(self, server: ServerState, conn: HttpConnection, api: Api, spec: GenerationSpec, t0: int):
+        self.server, self.conn, self.api, self.spec = server, conn, api, spec
         self.text = TextStream(server.tokenizer, spec.stop_sequences)
-        self.rid = 0
+        self.rid = 0  # the engine's id, once submitted
         self.t0 = self.t_last = t0
         self.produced = 0
         self.started = False
         self.done = False
-        self.headers = server.id_headers(reply.id)  # sent with the response head
+        self.headers = b""  # the request-id headers, sent with the response head
+        server.tokenizing.add(self)
 
-    def cancel(self) -> None:  # the client went away
-        if not self.done:
-            self.done = True
+    def cancel(self) -> None:
+        """The client went away: the prompt is dropped, or the engine frees the request's slot."""
+        if self.done:
+            return
+        self.done = True
+        self.server.tokenizing.discard(self)
+        if self.rid:
             self.server.engine.cancel(self.rid)
-            self.server.metrics.requests.labels(self.api, "cancelled").inc()
+            self.server.metrics.requests.labels(self.api.name, "cancelled").inc()
+
+    def fail(self, e: ApiError) -> None:
+        """Ends the request with `e`: its body, or its event once the stream has started."""
+        if self.done:
+            return
+        self.done = True
+        self.server.tokenizing.discard(self)
+        self.server.metrics.requests.labels(self.api.name, e.kind).inc()
+        if self.started:  # headers are out: the error goes in the stream
+            self.conn.write_stream(self.api.stream_error(e), end=True)
+        else:
+            error_response(self.conn, self.api, e)
+
+    def encoded(self, ids: list[int] | ApiError) -> None:
+        """The prompt's ids (or why there are none): the request goes to the engine."""
+        server, spec = self.server, self.spec
+        server.tokenizing.discard(self)
+        if self.done or self.conn.closed:
+            return
+        try:
+            if isinstance(ids, ApiError):
+                raise ids
+            spec.prompt_ids = ids
+            fit_context(spec, server.max_seq)
+            server.check_accepting()
+        except ApiError as e:
+            return self.fail(e)
+        self.reply = self.api.reply(server.model, spec)
+        self.headers = server.id_headers(self.reply.id)
+        rid = self.rid = server.engine.new_id()
+        server.metrics.prompt_tokens.inc(len(spec.prompt_ids))
+        request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p, spec.seed)
+        if not server.engine.submit(request, self):
+            self.fail(ApiError("overloaded_error", "the server is overloaded (request ring full); retry "
+                               "later") if server.engine.up else server.unavailable())
 
     def on_result(self, token: int, flags: int, t_ns: int) -> None:
         if self.done:
@@ -76,7 +119,7 @@ class HttpReply:
             return
         now = time.monotonic_ns()
         m = server.metrics
-        mc = server.per_api[self.api]
+        mc = server.per_api[self.api.name]
         if self.produced == 0:
             mc.ttft.observe((now - self.t0) * 1e-9)
         else:
@@ -108,7 +151,6 @@ class HttpReply:
                                   headers=self.headers)
             return
         self.done = True
-        conn.cancel_active = None
         mc.ok.inc()
         if stream:
             tail = self.reply.stream_delta(piece) if piece else b""
@@ -118,69 +160,14 @@ class HttpReply:
             conn.respond(200, self.reply.body(self.text.text, reason, self.text.stopped, self.produced),
                          headers=self.headers)
 
-    def fail(self, e: ApiError) -> None:
-        self.done = True
-        self.conn.cancel_active = None
-        self.server.metrics.requests.labels(self.api, e.kind).inc()
-        if self.started:  # headers are out: the error goes in the stream
-            self.conn.write_stream(self.reply.stream_error(e), end=True)
-        else:
-            error_response(self.conn, self.api, e)
 
-
-class PendingPrompt:
-    """A validated request while its prompt is tokenized (at once, or on a thread for a big one)."""
-
-    def __init__(self, server: ServerState, conn: HttpConnection, api: str, spec: GenerationSpec, t0: int):
-        self.server, self.conn, self.api, self.spec, self.t0 = server, conn, api, spec, t0
-        self.cancelled = False
-        server.tokenizing.add(self)
-
-    def cancel(self) -> None:  # the client went away before its prompt was ready
-        self.cancelled = True
-        self.server.tokenizing.discard(self)
-
-    def fail(self, e: ApiError) -> None:
-        """Answers `e` now (the drain ran out before the prompt was ready); the encoding is dropped."""
-        self.cancel()
-        self.conn.cancel_active = None
-        self.server.metrics.requests.labels(self.api, e.kind).inc()
-        error_response(self.conn, self.api, e)
-
-    def encoded(self, ids: list[int] | ApiError) -> None:
-        server, conn, api, spec = self.server, self.conn, self.api, self.spec
-        server.tokenizing.discard(self)
-        if self.cancelled or conn.closed:
-            return
-        try:
-            if isinstance(ids, ApiError):
-                raise ids
-            spec.prompt_ids = ids
-            fit_context(spec, server.max_seq)
-            server.check_accepting()
-        except ApiError as e:
-            conn.cancel_active = None
-            server.metrics.requests.labels(api, e.kind).inc()
-            return error_response(conn, api, e)
-        n = len(spec.prompt_ids)
-        reply: Any = (api_openai.Reply(server.model, n, spec.include_usage) if api == "openai"
-                      else api_anthropic.Reply(server.model, n))
-        handler = HttpReply(server, conn, api, reply, spec, self.t0)
-        rid = handler.rid = server.engine.new_id()
-        server.metrics.prompt_tokens.inc(n)
-        if not server.engine.submit(Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p,
-                                            spec.seed), handler):
-            return handler.fail(ApiError("overloaded_error", "the server is overloaded (request ring full); "
-                                         "retry later") if server.engine.up else server.unavailable())
-        conn.cancel_active = handler.cancel
-
-
-def generate(server: ServerState, req: HttpRequest, conn: HttpConnection, api: str) -> None:
-    """POST /v1/messages or /v1/chat/completions."""
+def generate(server: ServerState, req: HttpRequest, conn: HttpConnection,
+             api: Api) -> Callable[[], None] | None:
+    """POST /v1/messages or /v1/chat/completions in `api`. Returns what to call if the client goes
+    away before its answer is complete (None when it is answered already)."""
     try:
         if not server.authorized(req):
-            raise ApiError("authentication_error", "invalid x-api-key" if api == "anthropic"
-                           else "Incorrect API key provided")
+            raise ApiError("authentication_error", api.bad_key)
         server.check_accepting()
         if server.tokenizer is None:
             raise ApiError("invalid_request_error", "this bundle has no tokenizer (compile with --tokenizer); "
@@ -189,10 +176,11 @@ def generate(server: ServerState, req: HttpRequest, conn: HttpConnection, api: s
             body = orjson.loads(req.body)
         except orjson.JSONDecodeError as e:
             raise ApiError("invalid_request_error", f"the request body is not valid JSON: {e}") from None
-        spec, prompt = (api_openai if api == "openai" else api_anthropic).parse(body, server.model)
+        spec, prompt = api.parse(body, server.model)
     except ApiError as e:
-        server.metrics.requests.labels(api, e.kind).inc()
-        return error_response(conn, api, e)
-    pending = PendingPrompt(server, conn, api, spec, req.t_ns)
-    conn.cancel_active = pending.cancel
-    server.encoder.prompt_ids(prompt, pending.encoded)
+        server.metrics.requests.labels(api.name, e.kind).inc()
+        error_response(conn, api, e)
+        return None
+    generation = HttpGeneration(server, conn, api, spec, req.t_ns)
+    server.encoder.prompt_ids(prompt, generation.encoded)
+    return generation.cancel

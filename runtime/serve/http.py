@@ -12,7 +12,9 @@ what it is answering and close instead of waiting for another request (graceful 
 
 The application sees an ``HttpRequest`` and answers through the ``HttpConnection``: ``respond()``
 for a whole body, or ``write_stream()`` calls for a stream (the last with ``end=True``). Exactly one
-response per request; the next pipelined request is dispatched when it ends.
+response per request; the next pipelined request is dispatched when it ends. A handler that has not
+answered yet when it returns hands back what to call if the client goes away first (its request's
+cancel); the connection keeps it until the response ends and is the only one to call or drop it.
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ class HttpRequest:
     t_ns: int  # time.monotonic_ns() when the request was complete
 
 
-class HttpConnection(asyncio.Protocol):
-    """One client connection. ``handler(request, connection)`` is called once per request."""
+# handler(request, connection) -> what to call if the client goes away before the answer is complete
+Handler = Callable[[HttpRequest, "HttpConnection"], Callable[[], None] | None]
 
-    def __init__(self, handler: Callable[[HttpRequest, HttpConnection], None], limits: HttpLimits,
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. ``handler(request, connection)`` is called once per request; it
+    returns the request's cancel, or None."""
+
+    def __init__(self, handler: Handler, limits: HttpLimits,
                  extra_headers: bytes = b"", on_close: Callable[[HttpConnection], None] | None = None):
         self.handler = handler
         self.limits = limits
@@ -69,7 +76,7 @@ class HttpConnection(asyncio.Protocol):
         self.active: HttpRequest | None = None
         self.streaming = False
         self.closed = False
-        self.cancel_active: Callable[[], None] | None = None  # set by the app while a reply runs
+        self._cancel: Callable[[], None] | None = None  # the active request's, while its answer runs
         self._timer: asyncio.TimerHandle | None = None
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
@@ -126,8 +133,8 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._disarm()
-        if self.cancel_active is not None:
-            cancel, self.cancel_active = self.cancel_active, None
+        if self._cancel is not None:
+            cancel, self._cancel = self._cancel, None
             cancel()
         if self.on_close is not None:
             self.on_close(self)
@@ -244,7 +251,7 @@ class HttpConnection(asyncio.Protocol):
     def _dispatch(self, req: HttpRequest) -> None:
         self.active = req
         try:
-            self.handler(req, self)
+            cancel = self.handler(req, self)
         except Exception as e:  # a bug in a handler must not kill the connection silently
             import traceback
 
@@ -252,6 +259,9 @@ class HttpConnection(asyncio.Protocol):
             if self.active is req and not self.streaming:
                 self.respond(500, b'{"type":"error","error":{"type":"api_error","message":"internal error: '
                              + type(e).__name__.encode() + b'"}}')
+            return
+        if self.active is req:  # not answered yet (an answer may already have dispatched the next request)
+            self._cancel = cancel
 
     def _head(self, status: int, content_type: bytes, keep_alive: bool, length: int | None) -> bytes:
         h = [b"HTTP/1.1 ", str(status).encode(), b" ", REASONS.get(status, b"Unknown"), b"\r\ncontent-type: ",
@@ -309,7 +319,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _finish(self, keep_alive: bool) -> None:
         self.active = None
-        self.cancel_active = None
+        self._cancel = None
         if not keep_alive:
             self.close()
             return
@@ -386,7 +396,7 @@ def _json_str(message: bytes) -> bytes:
     return orjson.dumps(message.decode("utf-8", "replace"))
 
 
-def serve_http(loop: asyncio.AbstractEventLoop, handler: Any, host: str, port: int, limits: HttpLimits,
+def serve_http(loop: asyncio.AbstractEventLoop, handler: Handler, host: str, port: int, limits: HttpLimits,
                extra_headers: bytes = b"", connections: set[HttpConnection] | None = None) -> Any:
     """``loop.create_server`` for HttpConnection (a coroutine to await)."""
 

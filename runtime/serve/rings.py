@@ -21,7 +21,6 @@ time; that is what makes a lock unnecessary, and nothing checks it.
 from __future__ import annotations
 
 import abc
-import enum
 import mmap
 import os
 import sys
@@ -33,7 +32,10 @@ from multiprocessing import shared_memory
 from typing import Any, Generic, TypeVar
 
 from . import _rings
+from .protocol import RequestFlag, ResultFlag
 
+# RequestFlag and ResultFlag are protocol.py's, named here too: the rings' users (docs/rings.md,
+# tests/runtime/test_rings.py) build requests and read results with them.
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "Request",
@@ -48,23 +50,6 @@ __all__ = [
 
 DEFAULT_CHUNK_TOKENS: int = _rings.DEFAULT_CHUNK_TOKENS
 _U32 = "I" if array("I").itemsize == 4 else "L"
-
-
-class RequestFlag(enum.IntFlag):
-    """Request flags: bits 0..30 are the serving layer's (bit 31 marks the ring's continuation
-    chunks and is refused on push)."""
-
-    CANCEL = 1  # stop the request with this id (its prompt is empty); reserved for zlc serve
-    PING = 2  # answer with a PONG result (no prompt): zlc serve's liveness check of an idle engine
-
-
-class ResultFlag(enum.IntFlag):
-    """Result flags; the ring carries them as an opaque u32."""
-
-    EOS = 1  # the token is an end-of-sequence token
-    ERROR = 2  # the request failed; token is meaningless
-    LAST = 4  # no more results for this request id (EOS, max_tokens, error or cancel)
-    PONG = 8  # the answer to a PING request
 
 
 @dataclass(slots=True)

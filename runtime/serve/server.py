@@ -8,8 +8,9 @@ Per request, Python runs only the glue between those compiled parts; nothing els
 no middleware, no thread hop) sits between the socket and the ring.
 
 This module is the server's life and its routes: start-up (refusing unprotected frame ports),
-/health, /metrics, /v1/models, and the graceful drain on SIGTERM. The generation path is
-generate.py, binary frames frame_ingress.py, the engine's supervision supervisor.py.
+each request's API object (api_of: picked once, asked by everything after), /health, /metrics,
+/v1/models, and the graceful drain on SIGTERM. The generation path is generate.py, binary frames
+frame_ingress.py, the engine's supervision supervisor.py.
 
 Drain (SIGTERM/SIGINT): the listening sockets close (new connections are refused), /health and new
 requests on open connections answer 503, the requests in flight run on for up to
@@ -26,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +36,27 @@ import orjson
 from zlc.errors import ZlcError
 
 from . import frame_auth
-from .api_common import ApiError
-from .engine import EngineError
+from .api_anthropic import ANTHROPIC
+from .api_common import Api, ApiError
+from .api_openai import OPENAI
 from .engine_client import EngineClient
 from .frame_ingress import FrameConnection, FrameDatagram
 from .generate import error_response, generate
 from .http import HttpConnection, HttpLimits, HttpRequest, serve_http
 from .metrics import ServerMetrics
+from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
 ARCHITECTURE = "zero-layer-v1"
+APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI)
+# The generation paths, each in its own API; any other path answers in the API its headers name.
+GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI}
+
+
+def api_of(req: HttpRequest) -> Api:
+    """The API a request is answered in, errors included: its generation path's; elsewhere
+    Anthropic's when it sends anthropic-version (Anthropic's SDK always does), OpenAI's otherwise."""
+    return GENERATION.get(req.path) or (ANTHROPIC if b"anthropic-version" in req.headers else OPENAI)
 
 
 @dataclass
@@ -100,11 +113,11 @@ class Server:
             on_restart=lambda kind: self.metrics.engine_restarts.labels(kind).inc())
         self.metrics = ServerMetrics(lambda: self.engine.in_flight, lambda: self.engine.occupancy("request"),
                                      lambda: self.engine.occupancy("result"), engine_up=lambda: self.engine.up)
-        self.per_api = {api: self.metrics.for_api(api) for api in ("anthropic", "openai")}
+        self.per_api = {api.name: self.metrics.for_api(api.name) for api in APIS}
         self.extra_headers = f"x-zlc-architecture: {ARCHITECTURE}\r\nserver: zlc\r\n".encode()
         self.connections: set[HttpConnection] = set()
         self.frame_connections: set[FrameConnection] = set()
-        self.tokenizing: set[Any] = set()  # requests whose prompt a thread is encoding (generate.py)
+        self.tokenizing: set[Any] = set()  # generate.HttpGeneration: requests whose prompt is being tokenized
         self.servers: list[Any] = []
         self.udp: asyncio.DatagramTransport | None = None
         self.addresses: dict[str, Any] = {}
@@ -264,25 +277,32 @@ class Server:
 
     # -- HTTP routing
 
-    def handle(self, req: HttpRequest, conn: HttpConnection) -> None:
-        api = ("anthropic" if req.path == b"/v1/messages" or b"anthropic-version" in req.headers
-               and req.path != b"/v1/chat/completions" else "openai")
+    def handle(self, req: HttpRequest, conn: HttpConnection) -> Callable[[], None] | None:
+        """Answers `req`, or starts to: then returns the request's cancel (http.Handler)."""
+        api = api_of(req)
         try:
-            self._route(req, conn, api)
+            return self._route(req, conn, api)
         except Exception as e:  # a bug: answered in the API's shape, the traceback logged once
             import traceback
 
             traceback.print_exc()
             if conn.active is req and not conn.streaming:
                 error_response(conn, api, ApiError("api_error", f"internal error: {type(e).__name__}"))
+            return None
 
-    def _route(self, req: HttpRequest, conn: HttpConnection, api: str) -> None:
+    def _route(self, req: HttpRequest, conn: HttpConnection, api: Api) -> Callable[[], None] | None:
+        if req.path not in GENERATION:
+            self._answer(req, conn, api)
+            return None
+        if req.method != b"POST":
+            error_response(conn, api, ApiError("invalid_request_error", "use POST", status=405),
+                           b"allow: POST\r\n")
+            return None
+        return generate(self, req, conn, api)
+
+    def _answer(self, req: HttpRequest, conn: HttpConnection, api: Api) -> None:
+        """Every route but generation: answered at once."""
         path, method = req.path, req.method
-        if path in (b"/v1/messages", b"/v1/chat/completions"):
-            if method != b"POST":
-                return error_response(conn, api, ApiError("invalid_request_error", "use POST", status=405),
-                                      b"allow: POST\r\n")
-            return generate(self, req, conn, api)
         if path == b"/health":
             return self._health(conn)
         if path == b"/metrics":
@@ -293,7 +313,9 @@ class Server:
         if path in (b"/v1/models", b"/v1/models/" + self.model.encode()):
             if not self.authorized(req):
                 return error_response(conn, api, ApiError("authentication_error", "invalid x-api-key"))
-            return self._models(conn, api, single=path != b"/v1/models")
+            created = int(os.path.getmtime(self.bundle.path / "manifest.json"))
+            single = path != b"/v1/models"
+            return conn.respond(200, api.models(self.model, created, self.max_seq, single=single))
         route = f"{method.decode()} {path.decode(errors='replace')}"
         return error_response(conn, api, ApiError("not_found_error", f"no route for {route}"))
 
@@ -308,19 +330,6 @@ class Server:
             body["reason"] = "the server is shutting down" if self.draining else e.reason
         conn.respond(200 if status == "ok" else 503, orjson.dumps(body),
                      headers=b"" if status == "ok" else b"retry-after: %d\r\n" % e.retry_after_s())
-
-    def _models(self, conn: HttpConnection, api: str, single: bool) -> None:
-        created = int(os.path.getmtime(self.bundle.path / "manifest.json"))
-        if api == "anthropic":
-            entry: dict[str, Any] = {"type": "model", "id": self.model, "display_name": self.model,
-                                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-                                     "max_input_tokens": self.max_seq, "max_tokens": self.max_seq}
-            body = entry if single else {"data": [entry], "has_more": False, "first_id": self.model,
-                                         "last_id": self.model}
-        else:
-            entry = {"id": self.model, "object": "model", "created": created, "owned_by": "zlc"}
-            body = entry if single else {"object": "list", "data": [entry]}
-        conn.respond(200, orjson.dumps(body))
 
 
 # --------------------------------------------------------------------------------------------------

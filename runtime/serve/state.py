@@ -29,7 +29,7 @@ class ServerState(Protocol):
     engine: EngineSupervisor
     metrics: ServerMetrics
     per_api: dict[str, Any]  # metric children per API
-    tokenizing: set[Any]  # requests whose prompt a thread is encoding
+    tokenizing: set[Any]  # generate.HttpGeneration: requests whose prompt is being tokenized
     frame_connections: set[Any]
 
     @property

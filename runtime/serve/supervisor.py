@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from zlc.errors import ZlcError
 
-from .engine import EngineError
 from .engine_client import EngineClient, ResultHandler
+from .protocol import EngineError
 from .rings import Request
 
 # Seconds one engine step (a prefill or a token) may take before the engine counts as hung: a GPU

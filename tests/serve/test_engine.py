@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlc.runtime.serve.engine import Engine, EngineError
-from zlc.runtime.serve.rings import Request, RequestFlag, ResultFlag, RingRegion
+from zlc.runtime.serve.engine import Engine
+from zlc.runtime.serve.protocol import EngineError, RequestFlag, ResultFlag
+from zlc.runtime.serve.rings import Request, RingRegion
 
 PROMPTS = [[257, 117, 10, 104, 105, 258, 10], [72, 101, 108, 108, 111], [1, 2, 3], [200, 100, 50, 25]]
 

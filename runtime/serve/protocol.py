@@ -1,0 +1,41 @@
+"""The ring protocol: what the ingress and the engine process say to each other through the rings,
+beyond the rings' own layout (docs/rings.md): a request's flags, a result's flags, and the error
+code an ERROR result carries in its token field. Both sides import this module and neither imports
+the other, so the engine process never loads the ingress and the ingress never loads the executor's
+side.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class RequestFlag(enum.IntFlag):
+    """Request flags: bits 0..30 are the serving layer's (bit 31 marks the ring's continuation
+    chunks and is refused on push)."""
+
+    CANCEL = 1  # stop the request with this id (its prompt is empty)
+    PING = 2  # answer with a PONG result (no prompt): the supervisor's liveness check of an idle engine
+
+
+class ResultFlag(enum.IntFlag):
+    """Result flags; the ring carries them as an opaque u32. A frame result forwards them as they are
+    (frames.FrameFlag has the same EOS, ERROR and LAST bits)."""
+
+    EOS = 1  # the token is an end-of-sequence token
+    ERROR = 2  # the request failed; the token field is an EngineError
+    LAST = 4  # no more results for this request id (EOS, max_tokens, error or cancel)
+    PONG = 8  # the answer to a PING request
+
+
+class EngineError(enum.IntEnum):
+    """Error codes carried in an ERROR result's token field (a frame result forwards them: the same
+    numbers as frames.FrameErrorCode)."""
+
+    OVERLOADED = 1  # the waiting queue is full
+    BAD_REQUEST = 2  # the executor refused the prompt (too long, token outside the vocabulary)
+    INTERNAL = 3  # the executor failed
+    CANCELLED = 4  # a CANCEL request stopped it
+    # Never sent by the engine: the ingress ends a request with it when the engine is lost (exited,
+    # hung) or the server shuts down before the request finished.
+    UNAVAILABLE = 8
