@@ -237,6 +237,14 @@ class Features:
                         on("embed_pos", di[EmbedDesc.pos_table] >= 0)
         return cls(**f, activations=tuple(sorted(acts - {0})))
 
+    def flags(self) -> dict[str, bool]:
+        """The kernel's constexpr feature flags: HAS_<FEATURE> for each feature, HAS_ACT_<NAME> for
+        each activation (Triton folds `if HAS_X:`, so code behind a False flag is not compiled)."""
+        out = {f"HAS_{k.upper()}": v for k, v in vars(self).items() if isinstance(v, bool)}
+        out.update({f"HAS_ACT_{name.upper()}": code in self.activations
+                    for name, code in pg.ACTIVATIONS.items() if code})
+        return out
+
     def used(self) -> list[str]:
         """The features set, by name (the manifest's `kernel.features`)."""
         names = {v: k for k, v in pg.ACTIVATIONS.items()}
