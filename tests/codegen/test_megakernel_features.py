@@ -1,9 +1,11 @@
 """The kernel compiles in only the optional code paths its model uses (emit.Features): which features
-the descriptors of a program set, and that the rendered source holds each feature's code exactly
-when it is set. That the kernels WITH the features still compute the reference's numbers is the
-family tests' (tests/test_family_windows.py, test_family_norms.py, test_family_alibi_falcon.py,
-test_family_moe.py, tests/codegen/test_megakernel_windows.py, test_megakernel_norms.py) and a plain
-model's tests/codegen/test_megakernel.py: they run these same rendered kernels in the interpreter."""
+the descriptors of a program set, and that the rendered source sets each feature's constexpr flag
+(HAS_<FEATURE>, which Triton folds) exactly when it is set, with every line of the feature's code
+behind that flag (or absent) where it is off. That the kernels WITH the features still compute the
+reference's numbers is the family tests' (tests/test_family_windows.py, test_family_norms.py,
+test_family_alibi_falcon.py, test_family_moe.py, tests/codegen/test_megakernel_windows.py,
+test_megakernel_norms.py) and a plain model's tests/codegen/test_megakernel.py: they run these same
+rendered kernels in the interpreter."""
 
 from __future__ import annotations
 
@@ -19,22 +21,24 @@ from zlc.codegen import program as pg
 from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen.emit import Features, render
 
-# Code that exists only for one feature: a model without it must not contain any of it.
+# Code that exists only for one feature: in a model without it, each line holding one of these is
+# behind `if HAS_<FEATURE>:` (or not rendered at all).
 MARKERS: dict[str, list[str]] = {
     "window": ["window = tl.load(di + DI_ATTENTION_WINDOW)", "if window > 0"],
     "attn_softcap": ["softcap = tl.load(DF + d * DESC_FLOATS + DF_ATTENTION_SOFTCAP)", "tl.sigmoid(2.0 * s / softcap)"],
     "alibi": ["alibi = tl.load(DF + d * DESC_FLOATS + DF_ATTENTION_ALIBI)", "alibi * js", "alibi * past"],
-    "qk_norm": ["def _qk_rstd(", "tl.load(DI + d * DESC_WORDS + DI_ATTENTION_Q_NORM_W + which)",
+    "qk_norm": ["_qk_rstd(A, ", "tl.load(DI + d * DESC_WORDS + DI_ATTENTION_Q_NORM_W + which)",
                 "rstd[:, None] * tl.load(P + nw + gofs"],
     "qk_norm_whole": ["tl.load(DI + d * DESC_WORDS + DI_ATTENTION_QK_NORM_WHOLE)", "if whole != 0"],
-    "moe_route": ["def _route_weight(", "route = tl.load(di + DI_LINEAR_ROUTE)", "_route_weight(A, di"],
+    "moe_route": ["route = tl.load(di + DI_LINEAR_ROUTE)", "_route_weight(A, di"],
     "lm_softcap": [" cap = tl.load(DF + d * DESC_FLOATS + DF_LINEAR_SOFTCAP)", "tl.sigmoid(2.0 * y / cap)"],
     "bias": ["tl.load(P + b_off + cols"],
     "embed_norm": ["norm = tl.load(di + DI_EMBED_NORM)", "if norm != 0"],
     "embed_pos": ["pos_tab = tl.load(di + DI_EMBED_POS_TABLE)", "if pos_tab >= 0"],
-    "mlp_split_k": ["def _down_add(", "if copy != 0", "down = tl.load(di + DI_LINEAR_DOWN_ROWS)"],
+    "mlp_split_k": ["_down_add(W, P, A", "if copy != 0", "down = tl.load(di + DI_LINEAR_DOWN_ROWS)"],
 }
 ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
+NAMES = {code: name for name, code in pg.ACTIVATIONS.items()}
 FLAGS = [f.name for f in fields(Features) if f.name != "activations"]
 Fields = dict[str, float]
 
@@ -86,14 +90,40 @@ def _source(p: Any) -> str:
     return render([p], weight_dtype="fp32", version="test", gemv_block_n=16)
 
 
+def _guarded(lines: list[str], i: int, flag: str) -> bool:
+    """Whether line i sits inside an `if FLAG:` block (some enclosing, less indented line)."""
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    for line in reversed(lines[:i]):
+        stripped = line.lstrip()
+        here = len(line) - len(stripped)
+        if stripped and here < indent:
+            if stripped.startswith(f"if {flag}:"):
+                return True
+            if stripped.startswith("def "):
+                return False
+            indent = here
+    return False
+
+
 def _check_source(src: str, f: Features) -> None:
     compile(src, "kernel.py", "exec")  # valid Python whatever the combination
+    lines = src.splitlines()
+    flags = f.flags()
+    for flag, on in flags.items():
+        assert f"{flag} = tl.constexpr({on})" in lines, (flag, on)
     for name, marks in MARKERS.items():
-        on = getattr(f, name)
-        for m in marks:
-            assert (m in src) == on, f"{name} {'on' if on else 'off'}: {m!r} {'missing' if on else 'present'}"
+        _check_marks(lines, f"HAS_{name.upper()}", getattr(f, name), marks)
     for code, m in ACT_MARKERS.items():
-        assert (m in src) == (code in f.activations), (code, m)
+        _check_marks(lines, f"HAS_ACT_{NAMES[code].upper()}", code in f.activations, [m])
+
+
+def _check_marks(lines: list[str], flag: str, on: bool, marks: list[str]) -> None:
+    for m in marks:
+        at = [i for i, line in enumerate(lines) if m in line and not line.startswith("def ")]  # uses, not defs
+        if on:
+            assert at, f"{flag} on: {m!r} missing"
+        else:
+            assert all(_guarded(lines, i, flag) for i in at), f"{flag} off: {m!r} not behind `if {flag}:`"
 
 
 def test_a_plain_model_compiles_none_of_the_features() -> None:
