@@ -27,7 +27,8 @@ from zlc.codegen.kernel_sim import SimParams, TaskShape
 from zlc.codegen.kernel_sim import simulate as simulate_step
 from zlc.codegen.kernel_stats import occupancy
 from zlc.codegen.kernel_tables import levels_of
-from zlc.codegen.sass import Cfg, find_tool, load_width, parse_sass
+from zlc.codegen.sass import Cfg, load_width, parse_sass
+from zlc.codegen.toolchain import find_tool
 
 pytest.importorskip("triton")
 
