@@ -1,5 +1,5 @@
 """SASS of a cubin as data: instructions with registers, predicates and source frames, a control
-flow graph with natural loops, and the dataflow facts `kernel_stats` reads (which kernel parameter
+flow graph with natural loops, and the dataflow facts `static_facts` reads (which kernel parameter
 an address derives from, how many dependent global round trips feed it, register liveness).
 
 Everything comes from the tools in Triton's wheel (`nvdisasm -gi` for SASS with the full inlining
@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zlc.codegen.toolchain import find_tool
 from zlc.errors import ZlcError
-
-from .toolchain import find_tool
 
 __all__ = ["Cfg", "Frame", "Instr", "KernelParams", "Loop", "Sass", "SassError", "disassemble", "kernel_params",
            "load_width", "parse_sass", "reg_merge", "reg_read", "reg_write"]

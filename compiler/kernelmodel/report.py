@@ -1,6 +1,6 @@
 """The kernel-statistics report of a bundle (`zlc inspect BUNDLE --kernel`, bench/kernel_stats.py):
-per GPU target the static facts of both kernels (`kernel_stats`), the task tables' levels and bytes
-(`kernel_tables`), the per-task path facts and the decode latency prediction (`kernel_model`),
+per GPU target the static facts of both kernels (`static_facts`), the task tables' levels and bytes
+(`task_tables`), the per-task path facts and the decode latency prediction (`latency`),
 and the verdict on each issue-12 target with the model term that stops it where it is missed.
 Rendered as JSON, rich tables or the markdown of docs/performance.md.
 """
@@ -13,11 +13,11 @@ from typing import Any
 
 from zlc.bundle import read_manifest
 
-from .kernel_code import KernelStatsError, kernel_info
-from .kernel_model import LatencyParams, Prediction, params_for, predict
-from .kernel_source import KernelSource
-from .kernel_stats import KernelFacts, cubin_facts
-from .kernel_tables import TableFacts, table_facts
+from .latency import LatencyParams, Prediction, params_for, predict
+from .sass_map import KernelStatsError, kernel_info
+from .static_facts import KernelFacts, cubin_facts
+from .task_tables import TableFacts, table_facts
+from .triton_source import KernelSource
 
 __all__ = ["bundle_report", "checks", "render_markdown", "render_text", "rich_tables", "summary_rows"]
 
