@@ -107,7 +107,7 @@ def main() -> int:
     return 0
 
 
-# Issue 12's absolute goal next to the per-target checks: the Llama-3.2-1B shape at Hazy Research's
+# An absolute goal next to the per-target checks: the Llama-3.2-1B shape at Hazy Research's
 # measured 0.76 ms per token on H200 (the 1.6x-floor goal is SmolLM2's; both are in the report).
 GOALS_US = {("llama-1b-shape", "h200"): 760.0}
 

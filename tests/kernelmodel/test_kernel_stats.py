@@ -381,7 +381,7 @@ def test_cli_kernel_report_and_json(masked_bundle: Path) -> None:
 
     res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel"])
     assert res.exit_code == 0, res.output
-    assert "LDG.E.U16" in res.output and "predicted" in res.output and "issue-12 targets" in res.output
+    assert "LDG.E.U16" in res.output and "predicted" in res.output and "machine-code and latency targets" in res.output
     assert "masked fallback" in res.output
     res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel", "--json", "--target", "h200"])
     assert res.exit_code == 0, res.output
