@@ -11,8 +11,8 @@ its plain-torch `Llama`), compiled here with `zlc.compile(module, ...)` for a10 
 weights file is dropped: the facts need the manifest, kernel.py, tables and cubins only; a cached
 bundle of another zlc version or bundle format is rebuilt, and --rebuild after a kernel change). SmolLM2
 takes ~40 s to compile on a 2-core machine, the Llama-1B shape ~2 min and ~12 GB of memory.
-Everything printed comes from the cubins and the task tables (`zlc.codegen.kernel_stats`,
-`kernel_tables`, `kernel_path`) and the latency model with its stated ranges (`kernel_model`, `kernel_sim`;
+Everything printed comes from the cubins and the task tables (`zlc.kernelmodel.static_facts`,
+`task_tables`, `task_path`) and the latency model with its stated ranges (`latency`, `event_sim`;
 docs/kernel-model.md); no GPU is used.
 """
 
@@ -89,7 +89,7 @@ def main() -> int:
     bundles = list(a.bundle) or [build(m, a.cache, targets, a.max_seq, a.rebuild) for m in a.models]
     if a.build_only:
         return 0
-    from zlc.codegen.kernel_report import bundle_report, render_markdown, render_text
+    from zlc.kernelmodel.report import bundle_report, render_markdown, render_text
 
     reports = [bundle_report(b, targets=[t for t in targets if t in _gpu_targets(b)] or None, context=a.context)
                for b in bundles]
@@ -107,7 +107,7 @@ def main() -> int:
     return 0
 
 
-# Issue 12's absolute goal next to the per-target checks: the Llama-3.2-1B shape at Hazy Research's
+# An absolute goal next to the per-target checks: the Llama-3.2-1B shape at Hazy Research's
 # measured 0.76 ms per token on H200 (the 1.6x-floor goal is SmolLM2's; both are in the report).
 GOALS_US = {("llama-1b-shape", "h200"): 760.0}
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from zlc.errors import ZlcError
 
-from .sass import SassError, find_tool
+from .toolchain import ToolNotFoundError, find_tool
 
 if TYPE_CHECKING:
     from zlc.targets import Target
@@ -416,7 +416,7 @@ def _ptx_entry_param_count(ptx: str, name: str) -> int | None:
 def _nvidia_tool(name: str) -> str:
     try:
         return find_tool(name)
-    except SassError as e:
+    except ToolNotFoundError as e:
         raise AotError(str(e)) from None
 
 

@@ -29,7 +29,9 @@ LAYERS: list[list[str]] = [
     ["zlc.frontend", "zlc.passes"],
     ["zlc.driver"],
     ["zlc.codegen", "zlc.runtime", "zlc.deploy"],
-    ["zlc.verifier"],  # says whether a model fits the megakernel: runs codegen's scheduler check
+    # the verifier says whether a model fits the megakernel (runs codegen's scheduler check); the
+    # kernel model reads back what codegen wrote (cubins, tables) and needs its toolchain lookup
+    ["zlc.verifier", "zlc.kernelmodel"],
     ["zlc.build", "zlc.runtime.serve"],
     ["zlc.cli"],
     ["zlc"],  # the public face (lazy: it names the modules it loads on first use)

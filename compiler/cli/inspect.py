@@ -163,8 +163,8 @@ def _inspect_bundle(path: Path, show_tasks: bool, tiling: str, mode: str, as_jso
 
 
 def _inspect_kernel(path: Path, targets: list[str] | None, context: int | None, as_json: bool) -> None:
-    """`--kernel`: the machine-code facts and the latency prediction (zlc.codegen.kernel_report)."""
-    from zlc.codegen.kernel_report import bundle_report, rich_tables
+    """`--kernel`: the machine-code facts and the latency prediction (zlc.kernelmodel.report)."""
+    from zlc.kernelmodel.report import bundle_report, rich_tables
 
     rep = bundle_report(path, targets=targets, context=context)  # errors are ZlcErrors: one line
     if as_json:

@@ -20,14 +20,15 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlc.codegen.kernel_code import simulate
-from zlc.codegen.kernel_model import CASES, params_for, sim_params
-from zlc.codegen.kernel_report import bundle_report
-from zlc.codegen.kernel_sim import SimParams, TaskShape
-from zlc.codegen.kernel_sim import simulate as simulate_step
-from zlc.codegen.kernel_stats import occupancy
-from zlc.codegen.kernel_tables import levels_of
-from zlc.codegen.sass import Cfg, find_tool, load_width, parse_sass
+from zlc.codegen.toolchain import find_tool
+from zlc.kernelmodel.event_sim import SimParams, TaskShape
+from zlc.kernelmodel.event_sim import simulate as simulate_step
+from zlc.kernelmodel.latency import CASES, params_for, sim_params
+from zlc.kernelmodel.report import bundle_report
+from zlc.kernelmodel.sass import Cfg, load_width, parse_sass
+from zlc.kernelmodel.sass_map import simulate
+from zlc.kernelmodel.static_facts import occupancy
+from zlc.kernelmodel.task_tables import levels_of
 
 pytest.importorskip("triton")
 
@@ -345,8 +346,8 @@ def test_a_level_count_too_high_for_the_floor_target_is_called_unreachable(level
     """The 1.6x-floor verdict says when no kernel with this many levels could meet it: SmolLM2's
     123 decode levels at the least a level costs on h200 (release fence, signal to poll, the first
     activation: 1.05 µs central) exceed 1.6 x its 68 µs floor before any byte streams."""
-    from zlc.codegen.kernel_model import Prediction
-    from zlc.codegen.kernel_report import _floor_verdict, min_level_us
+    from zlc.kernelmodel.latency import Prediction
+    from zlc.kernelmodel.report import _floor_verdict, min_level_us
 
     lp = params_for("h200", "central")
     assert min_level_us(lp) == pytest.approx(lp.fence_us + lp.sync_us + lp.l2_us)
@@ -380,7 +381,7 @@ def test_cli_kernel_report_and_json(masked_bundle: Path) -> None:
 
     res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel"])
     assert res.exit_code == 0, res.output
-    assert "LDG.E.U16" in res.output and "predicted" in res.output and "issue-12 targets" in res.output
+    assert "LDG.E.U16" in res.output and "predicted" in res.output and "machine-code and latency targets" in res.output
     assert "masked fallback" in res.output
     res = CliRunner().invoke(cli, ["inspect", str(masked_bundle), "--kernel", "--json", "--target", "h200"])
     assert res.exit_code == 0, res.output
@@ -407,7 +408,7 @@ def test_cpu_only_bundle_gives_one_clear_line(bundle: Path, tmp_path: Path) -> N
 
 # ---- the event simulation's properties -------------------------------------------------------
 # Monotone while every program runs at most one task (grid >= tasks) and HBM is never
-# oversubscribed (kernel_sim's docstring); both hold here by construction.
+# oversubscribed (event_sim's docstring); both hold here by construction.
 
 @st.composite
 def steps(draw: st.DrawFn) -> list[TaskShape]:

@@ -4,8 +4,8 @@ from the loop head back to it (the arms its `if`s and jump tables take for this 
 of that code implies: weight bytes requested before the first poll, bytes in flight, and the
 dependent round trips before, beside and after the weight stream.
 
-`kernel_model` turns a task's path and its table bytes into the durations of the event simulation;
-`kernel_stats` reports the path of a sample task per op body (and per specialized variant).
+`latency` turns a task's path and its table bytes into the durations of the event simulation;
+`static_facts` reports the path of a sample task per op body (and per specialized variant).
 
 Rules of the issue model (in order, one program's warps alike): a global load is outstanding from
 its issue until an instruction reads or overwrites a register it writes (the scoreboard wait); an
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from .kernel_code import KernelCode, LoopFacts, SyncCounts
-from .kernel_source import Evaluator
+from .sass_map import KernelCode, LoopFacts, SyncCounts
+from .triton_source import Evaluator
 
 __all__ = ["PathFacts", "nest", "task_path"]
 

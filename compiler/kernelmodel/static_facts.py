@@ -2,7 +2,7 @@
 spills, occupancy, and per op body its weight loads (address dataflow from the `W` parameter,
 confirmed by the source line's `tl.load` being based on `W`) and loops. The per-task facts (what a
 task's path issues: weights before its wait, bytes in flight, round trips, fences per task) come
-from `kernel_path` through `kernel_model`; `kernel_report` puts both together.
+from `task_path` through `latency`; `report` puts both together.
 
 Nothing here knows a particular op body: bodies, helpers and loops come from kernel.py's AST and
 the SASS line table (every instruction carries its inlining chain).
@@ -18,8 +18,8 @@ from typing import Any
 from zlc.bundle import OP_NAMES, read_manifest
 from zlc.targets import get_target
 
-from .kernel_code import KernelCode, KernelStatsError, LoopFacts, SyncCounts
-from .kernel_source import KernelSource
+from .sass_map import KernelCode, KernelStatsError, LoopFacts, SyncCounts
+from .triton_source import KernelSource
 
 __all__ = ["ARCH_LIMITS", "BodyFacts", "KernelCode", "KernelFacts", "KernelStatsError", "LoopFacts", "SyncCounts",
            "cubin_facts", "occupancy"]

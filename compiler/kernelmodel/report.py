@@ -1,7 +1,8 @@
 """The kernel-statistics report of a bundle (`zlc inspect BUNDLE --kernel`, bench/kernel_stats.py):
-per GPU target the static facts of both kernels (`kernel_stats`), the task tables' levels and bytes
-(`kernel_tables`), the per-task path facts and the decode latency prediction (`kernel_model`),
-and the verdict on each issue-12 target with the model term that stops it where it is missed.
+per GPU target the static facts of both kernels (`static_facts`), the task tables' levels and bytes
+(`task_tables`), the per-task path facts and the decode latency prediction (`latency`),
+and the verdict on each target for the machine code and the predicted latency, with the model term
+that stops it where it is missed.
 Rendered as JSON, rich tables or the markdown of docs/performance.md.
 """
 
@@ -13,15 +14,15 @@ from typing import Any
 
 from zlc.bundle import read_manifest
 
-from .kernel_code import KernelStatsError, kernel_info
-from .kernel_model import LatencyParams, Prediction, params_for, predict
-from .kernel_source import KernelSource
-from .kernel_stats import KernelFacts, cubin_facts
-from .kernel_tables import TableFacts, table_facts
+from .latency import LatencyParams, Prediction, params_for, predict
+from .sass_map import KernelStatsError, kernel_info
+from .static_facts import KernelFacts, cubin_facts
+from .task_tables import TableFacts, table_facts
+from .triton_source import KernelSource
 
 __all__ = ["bundle_report", "checks", "render_markdown", "render_text", "rich_tables", "summary_rows"]
 
-IN_FLIGHT_TARGET = 24 * 1024  # issue 12: bytes of weights in flight per SM in the matrix-vector path
+IN_FLIGHT_TARGET = 24 * 1024  # bytes of weights in flight per SM in the matrix-vector path
 FLOOR_RATIO_TARGET = 1.6  # predicted SmolLM2 decode <= 1.6x the HBM floor
 LEVELS_PER_LAYER_TARGET = 4
 WIDE = ("LDG.E.128", "LDG.E.ENL2.128", "LDG.E.LTC128B.128", "LDG.E.EL.128", "LDG.E.128.CONSTANT")
@@ -80,8 +81,8 @@ def _matvec(pred: Prediction) -> list[dict[str, Any]]:
 
 def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFacts | None,
            pred: Prediction) -> list[dict[str, Any]]:
-    """The issue-12 targets for one target: fact, value, met (True / False), and where missed the
-    term that stops it with its number."""
+    """The machine-code and latency targets for one GPU target: fact, value, met (True / False), and
+    where missed the term that stops it with its number."""
     out: list[dict[str, Any]] = []
 
     def add(target: str, value: str, met: bool, stopped_by: str = "") -> None:
@@ -233,7 +234,7 @@ def summary_rows(rep: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
     row("predicted / floor (central)",
         lambda r: f"{r['prediction']['us']['central'] / r['prediction']['floor_us']['central']:.1f}x")
     row("critical path: tasks, levels; sync / fixed / stream µs", lambda r: _crit(r["prediction"]["critical"]))
-    row("issue-12 targets met", lambda r: f"{sum(c['met'] for c in r['checks'])} of {len(r['checks'])}")
+    row("machine-code and latency targets met", lambda r: f"{sum(c['met'] for c in r['checks'])} of {len(r['checks'])}")
     return rows
 
 
@@ -263,7 +264,7 @@ def _crit(c: dict[str, Any]) -> str:
 
 def rich_tables(rep: dict[str, Any]) -> list[Any]:
     """The report as rich renderables: the headline table, per target its path classes and the
-    issue-12 checks."""
+    checks of the machine-code and latency targets."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -290,7 +291,7 @@ def rich_tables(rep: dict[str, Any]) -> list[Any]:
                       f"{p['pre_rt'] if p['pre_rt'] is not None else '-'}/{p['poll_rt']}/{p['lead_rt']}/{p['tail_rt']}",
                       f"{p['sync']['fences']:g}", str(per_op.get(c["op"], {}).get("mean_task_us", "-")))
         out.append(b)
-        k = Table(title=f"{tg}: issue-12 targets", title_justify="left")
+        k = Table(title=f"{tg}: machine-code and latency targets", title_justify="left")
         for c in ("target", "value", "met", "stopped by"):
             k.add_column(c)
         for c in r["checks"]:

@@ -42,8 +42,8 @@ from zlc.bundle import (
     TASK_WORDS,
 )
 
-from .kernel_code import KernelStatsError
-from .kernel_source import Evaluator, KernelSource
+from .sass_map import KernelStatsError
+from .triton_source import Evaluator, KernelSource
 
 __all__ = ["TableFacts", "Tables", "Traffic", "levels_of", "table_facts", "waits_of", "width_histogram"]
 

@@ -1,4 +1,4 @@
-"""The latency model's L2 prefetch of the next task's weights (kernel_sim, docs/kernel-model.md):
+"""The latency model's L2 prefetch of the next task's weights (event_sim, docs/kernel-model.md):
 a hand-checked two-task timeline (the prefetch lands in L2 while the first task runs; the second
 reads it from L2, waiting for its arrival), the capacity rule (over `l2_cap` the bytes move twice
 and buy nothing), the claim wait, and monotone properties on one program."""
@@ -10,8 +10,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlc.codegen.kernel_model import CASES, params_for, sim_params
-from zlc.codegen.kernel_sim import SimParams, TaskShape, simulate
+from zlc.kernelmodel.event_sim import SimParams, TaskShape, simulate
+from zlc.kernelmodel.latency import CASES, params_for, sim_params
 
 # round numbers: every event time below is checked by hand
 P = SimParams(grid=1, l2=1.0, dram=2.0, atomic=1.0, fence=0.0, inval=0.0, barrier=0.0, sig=0.0, launch=0.0,

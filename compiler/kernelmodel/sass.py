@@ -1,5 +1,5 @@
 """SASS of a cubin as data: instructions with registers, predicates and source frames, a control
-flow graph with natural loops, and the dataflow facts `kernel_stats` reads (which kernel parameter
+flow graph with natural loops, and the dataflow facts `static_facts` reads (which kernel parameter
 an address derives from, how many dependent global round trips feed it, register liveness).
 
 Everything comes from the tools in Triton's wheel (`nvdisasm -gi` for SASS with the full inlining
@@ -18,10 +18,7 @@ whenever ptxas emits a new form; split apart, each half would import the other's
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterable
@@ -29,31 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zlc.codegen.toolchain import find_tool
 from zlc.errors import ZlcError
 
-__all__ = ["Cfg", "Frame", "Instr", "KernelParams", "Loop", "Sass", "SassError", "disassemble", "find_tool",
-           "kernel_params", "load_width", "parse_sass", "reg_merge", "reg_read", "reg_write"]
+__all__ = ["Cfg", "Frame", "Instr", "KernelParams", "Loop", "Sass", "SassError", "disassemble", "kernel_params",
+           "load_width", "parse_sass", "reg_merge", "reg_read", "reg_write"]
 
 
 class SassError(ZlcError):
     """A cubin could not be disassembled or its SASS not understood."""
-
-
-def find_tool(name: str) -> str:
-    """Path of an NVIDIA binary tool (`nvdisasm`, `cuobjdump`): $TRITON_<NAME>_PATH, Triton's wheel
-    (located without importing triton: slow, and TRITON_INTERPRET may be set), else PATH."""
-    env = os.environ.get(f"TRITON_{name.upper()}_PATH")
-    if env:
-        return env
-    spec = importlib.util.find_spec("triton")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(loc) / "backends" / "nvidia" / "bin" / name
-        if p.is_file():
-            return str(p)
-    found = shutil.which(name)
-    if found is None:
-        raise SassError(f"{name} not found (neither in the triton wheel nor on PATH)")
-    return found
 
 
 def _run_tool(name: str, args: list[str], cubin: bytes) -> str:

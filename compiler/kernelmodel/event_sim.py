@@ -1,6 +1,6 @@
 """A discrete-event simulation of one megakernel step over its task table: the latency model's
 engine (docs/kernel-model.md). Inputs are case-free task shapes (round trips, bytes, in-flight
-bytes, sync instruction counts: `kernel_model.task_shapes`) and one case of the stated latency and
+bytes, sync instruction counts: `latency.task_shapes`) and one case of the stated latency and
 bandwidth parameters; the output is the step's time, every task's timeline, and the critical
 path.
 

@@ -2,17 +2,17 @@
 source, global loads to the kernel parameter their address derives from (weight loads are the
 ones from `W`), registers to the dependent global loads behind them, SASS loops to the source
 loops they implement; and path questions for one task (which arm of a branch it takes, what one
-loop iteration keeps in flight and waits for) answered through a `kernel_source.Evaluator`.
+loop iteration keeps in flight and waits for) answered through a `triton_source.Evaluator`.
 
 Either kernel of a target: the decode kernel (`kernels/<t>.cubin`, the manifest's target
 fields) or the prefill kernel (`targets.<t>.prefill`; a v1 bundle has one kernel for both).
-`kernel_path` walks one task's way through it; `kernel_stats` turns both into the per-target
+`task_path` walks one task's way through it; `static_facts` turns both into the per-target
 facts.
 
 Why one module: `KernelCode`'s maps (instruction -> body and source, weight loads, address depths,
 loops, polls, the group arm) are built together from one disassembly, and every path question
 (`successors`, `executes`, `loop_path`) reads several of them; the in-order issue model
-(`simulate`) is the loop half of `kernel_path`'s and shares its rules.
+(`simulate`) is the loop half of `task_path`'s and shares its rules.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 from zlc.errors import ZlcError
 
-from .kernel_source import UNKNOWN, Evaluator, KernelSource
 from .sass import Cfg, Instr, Loop, Sass, disassemble, kernel_params, reg_merge, reg_read, reg_write
+from .triton_source import UNKNOWN, Evaluator, KernelSource
 
 __all__ = ["KernelCode", "KernelStatsError", "LoopFacts", "SyncCounts", "enclosing", "kernel_info", "path_sync",
            "simulate"]
@@ -462,7 +462,7 @@ class KernelCode:
         """The successors of block b a task takes. A conditional branch whose `if` evaluates for the
         task takes that arm; one that does not is decided by its arms' code (a successor whose code
         the task provably skips -- a call site or `if` around it is False -- is dropped); in the
-        unrolled wait loop the task enters each copy (`kernel_path` keeps as many as it has waits);
+        unrolled wait loop the task enters each copy (`task_path` keeps as many as it has waits);
         the signal's `if` on an atomic's result (a group's last task) is not taken (priced apart);
         an arm that may or may not run (its test reads data, or the thread id: one thread polls) is
         entered, so the path is the slowest the task can take. A jump table (the op dispatch, an `if act == ...` chain) goes to the arms that run."""

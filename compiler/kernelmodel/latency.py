@@ -1,7 +1,7 @@
 """The megakernel decode latency model: µs per token per GPU target (low / central / high), from
-the machine code (`kernel_code`, each task's path through it: `kernel_path`), the task tables and
-their bytes (`kernel_tables`), and stated per-target latency and bandwidth ranges, through a
-discrete-event simulation of the decode step (`kernel_sim`). docs/kernel-model.md explains every
+the machine code (`sass_map`, each task's path through it: `task_path`), the task tables and
+their bytes (`task_tables`), and stated per-target latency and bandwidth ranges, through a
+discrete-event simulation of the decode step (`event_sim`). docs/kernel-model.md explains every
 term; this module builds the simulation's inputs and reads its outputs.
 
 Per task, from its path: L2 round trips before its weight request and before its first poll, the
@@ -23,10 +23,10 @@ from typing import Any
 from zlc.bundle import MODE_DECODE, OP_LINEAR, OP_NAMES
 from zlc.targets import get_target
 
-from .kernel_code import KernelCode, KernelStatsError, SyncCounts
-from .kernel_path import PathFacts, nest, task_path
-from .kernel_sim import SimParams, SimResult, TaskShape, simulate
-from .kernel_tables import TableFacts, waits_of
+from .event_sim import SimParams, SimResult, TaskShape, simulate
+from .sass_map import KernelCode, KernelStatsError, SyncCounts
+from .task_path import PathFacts, nest, task_path
+from .task_tables import TableFacts, waits_of
 
 __all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "predict", "sim_params", "task_shapes"]
 
