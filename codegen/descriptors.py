@@ -10,7 +10,7 @@ declared here, once, as a class per op with one `I` (int word) or `F` (float wor
 - the templates read named constants made from the fields (`constants()`: `DI_LINEAR_K` is
   `tl.constexpr(2)` in the Triton kernel and `#define DI_LINEAR_K 2` in the C kernel; Triton folds
   them, so the machine code is what a literal gave);
-- docs/megakernel.md's descriptor tables are generated from it (`python docs/gen_ops.py`).
+- docs/megakernel.md's descriptor tables are generated from it (`python docs/gen_tables.py`).
 
 Some words hold one of two fields (a union): which one is set by another field of the row, said
 in the field's `when`. Adding a field is one line here, then its writer and readers by name.

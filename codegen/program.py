@@ -22,6 +22,8 @@ import numpy as np
 
 from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_LINEAR, OP_NAMES, TASK_WORDS
 
+from .descriptors import LinearDesc
+
 # ---- norm and activation codes (descriptor fields) -----------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
 NORM_COMBINE = 3  # not a norm: the input row is merged from split-KV attention partials
@@ -171,7 +173,7 @@ class Program:
         if t.op != OP_LINEAR:
             return [0, 0, -1, 0]
         d = self.desc_int[t.desc]
-        k, w_off, w2_off = int(d[2]), int(d[4]), int(d[5])
+        k, w_off, w2_off = int(d[LinearDesc.k]), int(d[LinearDesc.w]), int(d[LinearDesc.w2])
         lo, hi = w_off + t.a * k, w_off + t.b * k
         first = lo // PF_UNIT
         units = max(0, -(-hi // PF_UNIT) - first)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from zlc.bundle import MODE_DECODE, OP_LINEAR, OP_NAMES
+from zlc.codegen.descriptors import LinearDesc
 from zlc.targets import get_target
 
 from .event_sim import SimParams, SimResult, TaskShape, simulate
@@ -161,7 +162,7 @@ def _prefetchable(tabs: Any, r: dict[str, Any]) -> int:
         return 0
     di = tabs.desc_int[r["desc"]]
     item = 4 if str(tabs.man["dtype"]["weights"]) in ("fp32", "f32") else 2
-    return max(0, r["b"] - r["a"]) * int(di[2]) * item * (2 if int(di[5]) >= 0 else 1)
+    return max(0, r["b"] - r["a"]) * int(di[LinearDesc.k]) * item * (2 if int(di[LinearDesc.w2]) >= 0 else 1)
 
 
 def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float, threads: int,

@@ -4,9 +4,9 @@ task reads from DRAM.
 
 Bytes come from the tables and the manifest's weight placement, never from the kernel source, so
 a change of the op bodies cannot silently turn them to 0: a Linear task reads rows [a, b) x K of
-its descriptor's W matrices (DI field 4, and field 5 when >= 0; K is field 2), and with a fused MLP
-down (field 22 > 0: its rows) columns [a, b) of that [rows, N] matrix (field 16), the embedding T rows
-of its table (field 3, H = field 2; learned positions field 4 when >= 0); every offset must be a
+its descriptor's W matrices (LinearDesc's w, and w2 when >= 0; K is k), and with a fused MLP down
+(down_rows > 0) columns [a, b) of that [rows, N] matrix (down_w), the embedding T rows of its table
+(EmbedDesc's table, H = hidden; learned positions pos_table when >= 0); every offset must be a
 placed W weight of that row length, else the table and the manifest disagree (an error). The P
 arena's norm gains, biases and rotary rows are counted once per step (the tasks of one Linear share
 them through L2), the KV cache per attention task from its span of keys before this step's position
@@ -41,6 +41,8 @@ from zlc.bundle import (
     OP_ROW_NORM,
     TASK_WORDS,
 )
+from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc, RowNormDesc
+from zlc.codegen.program import NORM_LAYER, NORM_RMS
 
 from .sass_map import KernelStatsError
 from .triton_source import Evaluator, KernelSource
@@ -134,41 +136,48 @@ class Tables:
             where = f"{self.tiling} {OP_NAMES[r['op']] if r['op'] < len(OP_NAMES) else r['op']} task {i}"
             w = k = 0
             if r["op"] == OP_LINEAR:
-                kk, lo, hi = int(d[2]), r["a"], r["b"]
-                w = matrix(int(d[4]), lo, hi, kk, where)
-                if int(d[5]) >= 0:
-                    w += matrix(int(d[5]), lo, hi, kk, where)
-                if int(d[10]) in (1, 2):
-                    p_ranges.append((int(d[11]), int(d[11]) + kk))
-                    if int(d[10]) == 2 and int(d[12]) >= 0:
-                        p_ranges.append((int(d[12]), int(d[12]) + kk))
-                if int(d[6]) >= 0:
-                    p_ranges.append((int(d[6]) + lo, int(d[6]) + hi))
-                if int(d[21]) == 0 and int(d[22]) > 0:  # a fused MLP down (split-K): Wd[:, lo:hi], field 16
-                    w += columns(int(d[16]), int(d[22]), int(d[3]), lo, hi, where)
-                    if int(d[18]) >= 0:  # its bias
-                        p_ranges.append((int(d[18]), int(d[18]) + int(d[22])))
+                L = LinearDesc
+                kk, lo, hi = int(d[L.k]), r["a"], r["b"]
+                w = matrix(int(d[L.w]), lo, hi, kk, where)
+                if int(d[L.w2]) >= 0:
+                    w += matrix(int(d[L.w2]), lo, hi, kk, where)
+                if int(d[L.norm]) in (NORM_RMS, NORM_LAYER):
+                    p_ranges.append((int(d[L.norm_w]), int(d[L.norm_w]) + kk))
+                    if int(d[L.norm]) == NORM_LAYER and int(d[L.norm_b]) >= 0:
+                        p_ranges.append((int(d[L.norm_b]), int(d[L.norm_b]) + kk))
+                if int(d[L.bias]) >= 0:
+                    p_ranges.append((int(d[L.bias]) + lo, int(d[L.bias]) + hi))
+                if int(d[L.route]) == 0 and int(d[L.down_rows]) > 0:  # a fused MLP down (split-K): Wd[:, lo:hi]
+                    w += columns(int(d[L.down_w]), int(d[L.down_rows]), int(d[L.n]), lo, hi, where)
+                    if int(d[L.down_bias]) >= 0:  # its bias
+                        p_ranges.append((int(d[L.down_bias]), int(d[L.down_bias]) + int(d[L.down_rows])))
             elif r["op"] == OP_EMBED:
-                h = int(d[2])
-                w = matrix(int(d[3]), 0, 1, h, where) * rows_t  # one row per token (which: the step's data)
-                if int(d[4]) >= 0:
-                    w += matrix(int(d[4]), past, past + rows_t, h, where)
+                h = int(d[EmbedDesc.hidden])
+                w = matrix(int(d[EmbedDesc.table]), 0, 1, h, where) * rows_t  # one row per token (the step's data)
+                if int(d[EmbedDesc.pos_table]) >= 0:
+                    w += matrix(int(d[EmbedDesc.pos_table]), past, past + rows_t, h, where)
             elif r["op"] in (OP_ATTENTION, OP_CACHE_APPEND):
-                if int(d[7]) != 0 and int(d[10]) > 0:  # rotary rows of this step's positions
-                    half = int(d[10])
-                    for tab in (int(d[8]), int(d[9])):
+                # the rotary, head and q/k-norm words are the same in both ops (descriptors.py)
+                At = AttentionDesc
+                if int(d[At.rope]) != 0 and int(d[At.rope_half]) > 0:  # rotary rows of this step's positions
+                    half = int(d[At.rope_half])
+                    for tab in (int(d[At.rope_cos]), int(d[At.rope_sin])):
                         p_ranges.append((tab + past * half, tab + (past + rows_t) * half))
-                for f, bit in ((21, 0), (22, 1)) if r["op"] == OP_ATTENTION else ((21, 0),):
-                    if int(d[f]) >= 0:  # q/k norm gains: one head's, or the whole row's (bit of field 23)
-                        whole = (int(d[23]) >> bit) & 1
-                        p_ranges.append((int(d[f]), int(d[f]) + (int(d[1 if f == 21 else 17]) if whole else int(d[6]))))
+                # q/k norm gains: one head's, or the whole row's (a bit of qk_norm_whole)
+                norms = ((At.q_norm_w, 0, At.q_stride), (At.k_norm_w, 1, At.k_new_stride)) \
+                    if r["op"] == OP_ATTENTION else ((CacheAppendDesc.k_norm_w, 0, CacheAppendDesc.k_stride),)
+                for f, bit, row_cols in norms:
+                    if int(d[f]) >= 0:
+                        whole = (int(d[At.qk_norm_whole]) >> bit) & 1
+                        p_ranges.append((int(d[f]), int(d[f]) + (int(d[row_cols]) if whole else int(d[At.head_dim]))))
                 if r["op"] == OP_ATTENTION and past > 0:
-                    dim, group, split_len = int(d[6]), max(1, int(d[13])), int(d[15])
+                    dim, group, split_len = int(d[At.head_dim]), max(1, int(d[At.group])), int(d[At.split_len])
                     lo = r["c"] * split_len if split_len > 0 else 0
                     hi = min(past, lo + split_len) if split_len > 0 else past
                     k = max(0, hi - lo) * dim * kv_item * 2 // group
             elif r["op"] == OP_ROW_NORM:  # the norm's gains (and bias)
-                p_ranges += [(int(d[f]), int(d[f]) + int(d[2])) for f in (4, 5) if int(d[f]) >= 0]
+                p_ranges += [(int(d[f]), int(d[f]) + int(d[RowNormDesc.k]))
+                             for f in (RowNormDesc.norm_w, RowNormDesc.norm_b) if int(d[f]) >= 0]
             weights.append(w)
             kv.append(k)
         p_elems = _union_length(p_ranges)
@@ -275,8 +284,9 @@ def table_facts(bundle: Path, tiling: str, src: KernelSource, man: dict[str, Any
 
 
 def _outside_layers(tabs: Tables, row: dict[str, Any]) -> bool:
-    """An embedding, argmax or LM-head task (a Linear whose descriptor word 14 is set)."""
-    return row["op"] in (OP_EMBED, OP_ARGMAX) or (row["op"] == OP_LINEAR and int(tabs.desc_int[row["desc"]][14]) != 0)
+    """An embedding, argmax or LM-head task (a Linear whose descriptor's `lm` is set)."""
+    return row["op"] in (OP_EMBED, OP_ARGMAX) or (
+        row["op"] == OP_LINEAR and int(tabs.desc_int[row["desc"]][LinearDesc.lm]) != 0)
 
 
 def width_histogram(counts: list[int], grid: int) -> dict[str, int]:

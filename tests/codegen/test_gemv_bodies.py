@@ -78,8 +78,8 @@ def test_a_shape_whose_tasks_share_the_activation_and_lm_flag_gets_them_as_liter
     of its shape has the same, else stay loads: an LM head sharing its shape with q/k/v projections
     keeps lm a load, a gate/up body whose tasks are all silu gets act 1 and lm 0."""
     p = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, True, -1))
-    p.desc_int[1][14] = 1  # the second plain task is an LM head
-    p.desc_int[2][13] = pg.ACTIVATIONS["silu"]
+    p.desc_int[1][LinearDesc.lm] = 1  # the second plain task is an LM head
+    p.desc_int[2][LinearDesc.act] = pg.ACTIVATIONS["silu"]
     by = {g.gated: g for g in gemv_bodies([p], "bf16", 32)}
     assert (by[False].act, by[False].lm) == (0, -1)
     assert (by[True].act, by[True].lm) == (pg.ACTIVATIONS["silu"], 0)
@@ -91,7 +91,7 @@ def test_the_lm_heads_wider_tasks_get_their_own_body_with_the_same_bytes_per_chu
     chunk_plan allows (32 columns of 256 rows, not 128 of 256) and its LM flag a literal; the q/k/v
     projections sharing K and norm keep the narrow body, now without LM-head tasks."""
     p = _program((2048, pg.NORM_RMS, False, -1), (2048, pg.NORM_RMS, False, -1))
-    p.desc_int[1][14] = 1
+    p.desc_int[1][LinearDesc.lm] = 1
     p.tables["decode"][1].b = 256
     p.tiling.lm_block_n = 256
     by = {g.name: g for g in gemv_bodies([p], "bf16", 32)}

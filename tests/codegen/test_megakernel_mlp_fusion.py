@@ -26,6 +26,7 @@ from megakernel_checks import ATOL, PROMPT, Built, assert_matches, gpu_like, run
 
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
+from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.program import Region, Task
 from zlc.codegen.schedule import _assign_events, _Events, schedule, signalers, tiling_for
 from zlc.codegen.shuffle import random_topological_order, write_tables
@@ -122,8 +123,8 @@ def test_decode_tables_fuse_the_down(lower_model: Any, name: str) -> None:
     assert ups and all(sum(r.accumulate for r in t.writes) == 1 for t in ups)
     outs = {r.buffer for t in ups for r in t.writes if r.accumulate}
     inits = [t for t in dec if any(r.buffer in outs and not r.accumulate for r in t.writes)]
-    assert inits and all(p.desc_int[t.desc][23] == 1 for t in inits)
-    assert all(p.desc_int[t.desc][22] > 0 for t in ups)
+    assert inits and all(p.desc_int[t.desc][LinearDesc.copy] == 1 for t in inits)
+    assert all(p.desc_int[t.desc][LinearDesc.down_rows] > 0 for t in ups)
     sig = signalers(dec)
     for t in ups:
         op = t.label.split("[")[0]

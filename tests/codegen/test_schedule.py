@@ -137,10 +137,10 @@ def test_norms_are_fused_into_linears(lower_model: Any, name: str) -> None:
         for mode, tasks in p.tables.items():
             assert not any(t.label.split("[")[0] in norms or t.op == fmt.OP_ROW_NORM for t in tasks)
             linear_descs = sorted({t.desc for t in tasks if t.op == fmt.OP_LINEAR})
-            normed = [d for d in linear_descs if p.desc_int[d][10] != pg.NORM_NONE]
+            normed = [d for d in linear_descs if p.desc_int[d][LinearDesc.norm] != pg.NORM_NONE]
             assert len(normed) == len(consumers), (target, mode)
             want = pg.NORM_LAYER if name == "gpt2" else pg.NORM_RMS
-            assert all(p.desc_int[d][10] == want for d in normed)
+            assert all(p.desc_int[d][LinearDesc.norm] == want for d in normed)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
