@@ -7,6 +7,7 @@ model's tests/codegen/test_megakernel.py: they run these same rendered kernels i
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
@@ -86,8 +87,30 @@ def _source(p: Any) -> str:
     return render([p], weight_dtype="fp32", version="test", gemv_block_n=16)
 
 
+def _compiled(src: str) -> str:
+    """`src` as Triton compiles it: each `if HAS_X:` on a constexpr flag (defined at the top of the
+    source) replaced by the branch the flag takes; code behind a False flag is not there."""
+    flags = dict(re.findall(r"^(HAS_\w+) = tl\.constexpr\((True|False)\)$", src, re.M))
+    out: list[str] = []
+    open_ifs: list[list[Any]] = []  # per enclosing `if HAS_X:`: [its indent, whether this branch is kept]
+    for line in src.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        while open_ifs and (indent < open_ifs[-1][0] or indent == open_ifs[-1][0] and line.strip() != "else:"):
+            open_ifs.pop()  # its block ended
+        if open_ifs and indent == open_ifs[-1][0]:  # its else: the other branch
+            open_ifs[-1][1] = not open_ifs[-1][1]
+        elif m := re.fullmatch(r" *if (HAS_\w+):", line):
+            open_ifs.append([indent, flags[m[1]] == "True"])
+        elif all(kept for _, kept in open_ifs):
+            out.append(line[4 * len(open_ifs):])
+    return "\n".join(out)
+
+
 def _check_source(src: str, f: Features) -> None:
     compile(src, "kernel.py", "exec")  # valid Python whatever the combination
+    src = _compiled(src)
     for name, marks in MARKERS.items():
         on = getattr(f, name)
         for m in marks:
