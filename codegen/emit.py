@@ -22,6 +22,7 @@ import jinja2
 
 from zlc import bundle as fmt
 
+from . import gemv_source
 from . import program as pg
 from .descriptors import AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc, constants
 from .program import Program
@@ -153,15 +154,6 @@ class GemvBody:
                 + (f"_d{self.head_d}" if self.norm == 3 else "") + ("_gated" if self.gated else "")
                 + (f"_down{self.down}x{self.down_ld}" if self.down else "") + (f"_lm{self.wide}" if self.wide else ""))
 
-    def rotation(self, v: str) -> str:
-        """The wide body's rolled loop carries the chunks in flight: `w_0, w_1 = w_1, w_2` at depth 2."""
-        old = ", ".join(f"{v}_{j}" for j in range(self.depth))
-        return f"{old} = {', '.join(f'{v}_{j + 1}' for j in range(self.depth))}"
-
-    @property
-    def down_sizes(self) -> str:
-        return " + ".join(str(c.size) for c in self.down_chunks)
-
     @property
     def down_depth(self) -> int:
         return max((len(x) for x in self.down_issue[:len(self.chunks) + 1]), default=0)
@@ -169,10 +161,6 @@ class GemvBody:
     @property
     def down_distinct_sizes(self) -> list[int]:
         return sorted({c.size for c in self.down_chunks})
-
-    @property
-    def sizes(self) -> str:
-        return " + ".join(str(c.size) for c in self.chunks)
 
     @property
     def distinct_sizes(self) -> list[int]:
@@ -369,6 +357,10 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     kinds = sorted({t.op for p in progs for tasks in p.tables.values() for t in tasks})
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    # the decode matrix-vector bodies, planned here and written out by gemv_source
+    gemv = gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk, prefetch_bytes,
+                       max_down_rows)
+    f = Features.of(progs)
     # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
     consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
     return env.get_template("megakernel.py.jinja").render(
@@ -377,6 +369,5 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
         op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""),
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
-        gemv=gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk,
-                         prefetch_bytes, max_down_rows),
-        f=Features.of(progs))
+        gemv_sources=[gemv_source.body(g) for g in gemv],
+        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route), f=f)

@@ -1,7 +1,7 @@
 """The kernel compiles in only the optional code paths its model uses (emit.Features): which features
 the descriptors of a program set, and that the rendered source sets each feature's constexpr flag
-(HAS_<FEATURE>, which Triton folds) exactly when it is set, with every line of the feature's code
-behind that flag (or absent) where it is off. That the kernels WITH the features still compute the
+(HAS_<FEATURE>, which Triton folds) exactly when it is set and, read as Triton compiles it (the
+flags' branches folded), holds each feature's code exactly when it is set. That the kernels WITH the features still compute the
 reference's numbers is the family tests' (tests/test_family_windows.py, test_family_norms.py,
 test_family_alibi_falcon.py, test_family_moe.py, tests/codegen/test_megakernel_windows.py,
 test_megakernel_norms.py) and a plain model's tests/codegen/test_megakernel.py: they run these same
@@ -9,6 +9,7 @@ rendered kernels in the interpreter."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
@@ -21,8 +22,7 @@ from zlc.codegen import program as pg
 from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen.emit import Features, render
 
-# Code that exists only for one feature: in a model without it, each line holding one of these is
-# behind `if HAS_<FEATURE>:` (or not rendered at all).
+# Code that exists only for one feature: a model without it must compile none of it.
 MARKERS: dict[str, list[str]] = {
     "window": ["window = tl.load(di + DI_ATTENTION_WINDOW)", "if window > 0"],
     "attn_softcap": ["softcap = tl.load(DF + d * DESC_FLOATS + DF_ATTENTION_SOFTCAP)", "tl.sigmoid(2.0 * s / softcap)"],
@@ -90,40 +90,44 @@ def _source(p: Any) -> str:
     return render([p], weight_dtype="fp32", version="test", gemv_block_n=16)
 
 
-def _guarded(lines: list[str], i: int, flag: str) -> bool:
-    """Whether line i sits inside an `if FLAG:` block (some enclosing, less indented line)."""
-    indent = len(lines[i]) - len(lines[i].lstrip())
-    for line in reversed(lines[:i]):
-        stripped = line.lstrip()
-        here = len(line) - len(stripped)
-        if stripped and here < indent:
-            if stripped.startswith(f"if {flag}:"):
-                return True
-            if stripped.startswith("def "):
-                return False
-            indent = here
-    return False
+def _compiled(src: str) -> str:
+    """`src` as Triton compiles it: each `if HAS_X:` on a constexpr flag (defined at the top of the
+    source) replaced by the branch the flag takes; code behind a False flag is not there."""
+    flags = dict(re.findall(r"^(HAS_\w+) = tl\.constexpr\((True|False)\)$", src, re.M))
+    out: list[str] = []
+    open_ifs: list[list[Any]] = []  # per enclosing `if HAS_X:`: [its indent, whether this branch is kept]
+    for line in src.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        while open_ifs and (indent < open_ifs[-1][0] or indent == open_ifs[-1][0] and line.strip() != "else:"):
+            open_ifs.pop()  # its block ended
+        if open_ifs and indent == open_ifs[-1][0]:  # its else: the other branch
+            open_ifs[-1][1] = not open_ifs[-1][1]
+        elif m := re.fullmatch(r" *if (HAS_\w+):", line):
+            open_ifs.append([indent, flags[m[1]] == "True"])
+        elif all(kept for _, kept in open_ifs):
+            out.append(line[4 * len(open_ifs):])
+    return "\n".join(out)
 
 
 def _check_source(src: str, f: Features) -> None:
     compile(src, "kernel.py", "exec")  # valid Python whatever the combination
-    lines = src.splitlines()
-    flags = f.flags()
-    for flag, on in flags.items():
-        assert f"{flag} = tl.constexpr({on})" in lines, (flag, on)
+    for flag, on in f.flags().items():
+        assert f"{flag} = tl.constexpr({on})" in src.splitlines(), (flag, on)
+    # what Triton compiles: the flags' branches folded; helper functions are defined either way, and
+    # only their uses count
+    lines = [line for line in _compiled(src).splitlines() if not line.startswith("def ")]
     for name, marks in MARKERS.items():
-        _check_marks(lines, f"HAS_{name.upper()}", getattr(f, name), marks)
+        _check_marks(lines, getattr(f, name), marks, name)
     for code, m in ACT_MARKERS.items():
-        _check_marks(lines, f"HAS_ACT_{NAMES[code].upper()}", code in f.activations, [m])
+        _check_marks(lines, code in f.activations, [m], NAMES[code])
 
 
-def _check_marks(lines: list[str], flag: str, on: bool, marks: list[str]) -> None:
+def _check_marks(lines: list[str], on: bool, marks: list[str], what: str) -> None:
     for m in marks:
-        at = [i for i, line in enumerate(lines) if m in line and not line.startswith("def ")]  # uses, not defs
-        if on:
-            assert at, f"{flag} on: {m!r} missing"
-        else:
-            assert all(_guarded(lines, i, flag) for i in at), f"{flag} off: {m!r} not behind `if {flag}:`"
+        assert any(m in line for line in lines) == on, f"{what} {'on' if on else 'off'}: {m!r} " \
+            f"{'missing' if on else 'compiled in'}"
 
 
 def test_a_plain_model_compiles_none_of_the_features() -> None:
