@@ -123,7 +123,7 @@ def main() -> int:
         return 0
 
     changes = version_changes(args.lock)
-    print(f"== versions here that differ from {args.lock.relative_to(ROOT)}: {len(changes) or 'none'}")
+    print(f"== versions here that differ from {args.lock}: {len(changes) or 'none'}")
     for name, locked, have in changes:
         print(f"  {name}: {locked} -> {have}")
     if not args.no_tests:
