@@ -65,19 +65,24 @@ def F(word: int, doc: str, when: str = "") -> Field:
 
 
 class Desc:
-    """An op's descriptor layout. Subclasses declare `op` (the task op code) and their fields."""
+    """An op's descriptor layout. Subclasses declare `op` (the task op code) and their fields; a
+    subclass without `op` declares fields that several ops share (their words must agree: the
+    kernels' shared helpers read them for either op)."""
 
     op: ClassVar[int]
     fields: ClassVar[dict[str, Field]]
 
     def __init_subclass__(cls) -> None:
+        if "op" not in vars(cls):
+            return
         name = OP_NAMES[cls.op]
         cls.fields = {}
-        for attr, f in list(vars(cls).items()):
-            if isinstance(f, Field):
-                named = Field(f.word, f.doc, f.when, f.is_float, attr, name)
-                setattr(cls, attr, named)
-                cls.fields[attr] = named
+        for base in reversed(cls.__mro__):
+            for attr, f in list(vars(base).items()):
+                if isinstance(f, Field):
+                    named = Field(f.word, f.doc, f.when, f.is_float, attr, name)
+                    setattr(cls, attr, named)
+                    cls.fields[attr] = named
         _check(cls)
 
     @classmethod
@@ -188,7 +193,23 @@ class RowNormDesc(Desc):
     eps = F(0, "epsilon")
 
 
-class CacheAppendDesc(Desc):
+class _HeadDesc(Desc):
+    """What cache_append and attention share, on the same words: the head's geometry, its rotary
+    tables and its q/k norm (load_roped / _load_roped, load_qk / _qk_norm_of read them for both)."""
+
+    head_dim = I(6, "D: the head size")
+    rope = I(7, "rotary kind: ROPE_NONE, ROPE_HALF or ROPE_INTERLEAVED")
+    rope_cos = I(8, "P offset of the cos table [positions, half]")
+    rope_sin = I(9, "P offset of the sin table")
+    rope_half = I(10, "columns of a table row")
+    rope_rot = I(11, "rotated columns of a head (partial rotary: fewer than D)")
+    head_stride = I(12, "cache elements per KV head (max_seq * D)")
+    qk_norm_whole = I(23, "bit 0: the loaded q's (cache_append: k's) norm is over the whole projection "
+                          "row (OLMo 2), else per head; bit 1: the same for attention's fused append's k")
+    qk_eps = F(3, "the q/k norms' epsilon")
+
+
+class CacheAppendDesc(_HeadDesc):
     """The step's k and v rows of one KV head into its cache, k rotated (and q/k-normed) first."""
 
     op = OP_CACHE_APPEND
@@ -198,19 +219,10 @@ class CacheAppendDesc(Desc):
     v_stride = I(3, "v row stride")
     k_cache = I(4, "A offset of the k cache [Hkv, max_seq, D]")
     v_cache = I(5, "A offset of the v cache")
-    head_dim = I(6, "D: the head size")
-    rope = I(7, "rotary kind: ROPE_NONE, ROPE_HALF or ROPE_INTERLEAVED")
-    rope_cos = I(8, "P offset of the cos table [positions, half]")
-    rope_sin = I(9, "P offset of the sin table")
-    rope_half = I(10, "columns of a table row")
-    rope_rot = I(11, "rotated columns of a head (partial rotary: fewer than D)")
-    head_stride = I(12, "cache elements per KV head (max_seq * D)")
-    k_norm_w = I(21, "P offset of k's q/k-norm gains, -1 none")
-    qk_norm_whole = I(23, "bit 0: k's norm is over the whole projection row (OLMo 2), else per head")
-    qk_eps = F(3, "the q/k norm's epsilon")
+    k_norm_w = I(21, "P offset of k's q/k-norm gains, -1 none (the word of attention's q_norm_w)")
 
 
-class AttentionDesc(Desc):
+class AttentionDesc(_HeadDesc):
     """One query head's attention over its KV head's cache (a block of query rows in prefill; in
     decode one split of the keys with split-KV), the step's k/v appended here when fused."""
 
@@ -221,13 +233,6 @@ class AttentionDesc(Desc):
     v_cache = I(3, "A offset of the v cache")
     out_off = I(4, "A offset of the output rows")
     out_stride = I(5, "output row stride")
-    head_dim = I(6, "D: the head size")
-    rope = I(7, "rotary kind (as cache_append's)")
-    rope_cos = I(8, "P offset of the cos table")
-    rope_sin = I(9, "P offset of the sin table")
-    rope_half = I(10, "columns of a table row")
-    rope_rot = I(11, "rotated columns of a head")
-    head_stride = I(12, "cache elements per KV head (max_seq * D)")
     group = I(13, "query heads per KV head (GQA)")
     partials = I(14, "A offset of the split-KV partials [H * splits, D + 2], -1: no split")
     split_len = I(15, "keys per split (max_seq without split-KV)")
@@ -238,11 +243,9 @@ class AttentionDesc(Desc):
     window = I(20, "causal sliding window in keys, 0 none")
     q_norm_w = I(21, "P offset of q's q/k-norm gains, -1 none")
     k_norm_w = I(22, "P offset of the fused append's k-norm gains, -1 none")
-    qk_norm_whole = I(23, "bit 0 / bit 1: q's / k's norm is over the whole projection row")
     scale = F(0, "the scores' scale")
     softcap = F(1, "the scores' soft-cap, 0 none (Gemma 2)")
     alibi = F(2, "this head's ALiBi slope, 0 none (BLOOM, MPT)")
-    qk_eps = F(3, "the q/k norms' epsilon")
 
 
 class CombineDesc(Desc):
@@ -269,13 +272,8 @@ DESCS: tuple[type[Desc], ...] = (EmbedDesc, LinearDesc, CacheAppendDesc, Attenti
                                  RowNormDesc)
 assert [d.op for d in DESCS] == list(range(len(OP_NAMES)))
 
-# The kernels' shared helpers read these by one name for two ops, so the ops keep them on one word:
-# the rotary fields and head stride (load_roped / _load_roped), and the q/k norm (_qk_norm_of reads
-# the gains of norm `which` at word q_norm_w + which: cache_append's k is `which` 0, the fused
-# append's k in attention 1; whole-row bit `which` of qk_norm_whole; the eps in float qk_eps).
-for _f in ("rope", "rope_cos", "rope_sin", "rope_half", "rope_rot", "head_stride", "head_dim", "qk_norm_whole",
-           "qk_eps"):
-    assert CacheAppendDesc.fields[_f].word == AttentionDesc.fields[_f].word, _f
+# _qk_norm_of reads the gains of norm `which` at word q_norm_w + which: cache_append's k is
+# `which` 0, the fused append's k in attention 1.
 assert CacheAppendDesc.k_norm_w.word == AttentionDesc.q_norm_w.word == AttentionDesc.k_norm_w.word - 1
 
 
