@@ -211,8 +211,12 @@ def _genai_model(workdir: Path) -> Path:
         _save_plain(model, hf)
         tok.save_pretrained(hf)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        subprocess.run([sys.executable, "-c", _GENAI_BUILD, str(hf), str(out), str(Path(d) / "cache")],
+        # absolute: the builder runs in the temporary directory, where a relative --workdir (the
+        # default) would put the model, deleted with it
+        subprocess.run([sys.executable, "-c", _GENAI_BUILD, str(hf), str(out.resolve()), str(Path(d) / "cache")],
                        env=env, check=True, capture_output=True, cwd=d)
+    if not (out / "genai_config.json").is_file():
+        raise RuntimeError(f"onnxruntime-genai's builder left no genai_config.json in {out}")
     return out
 
 
