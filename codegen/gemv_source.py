@@ -1,7 +1,7 @@
-"""The source of the specialized matrix-vector bodies (one `@triton.jit` function per `emit.GemvBody`)
+"""The source of the specialized matrix-vector bodies (one `@triton.jit` function per `gemv_plan.GemvBody`)
 and of the dispatch chain in `_linear_gemv` that picks one; the template places both.
 
-emit.py plans the bodies (which K, norm, gate, chunks, depth); this writes them out. What depends
+gemv_plan.py plans the bodies (which K, norm, gate, chunks, depth); this writes them out. What depends
 on a body's shape (K, the norm kind, the gate, the chunks, the fused down, the literal act / lm /
 copy) is decided here, in Python: those are literals by design. What depends on the model's
 features (a bias, the LM head's soft-cap, the fused MLP down's accumulator) is written as an
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .program import NORM_COMBINE, NORM_LAYER, NORM_NONE, NORM_RMS
 
 if TYPE_CHECKING:
-    from .emit import Chunk, GemvBody
+    from .gemv_plan import Chunk, GemvBody
 
 _WHAT = {NORM_NONE: "W @ x", NORM_RMS: "rstd * (W @ (g * x)): RMSNorm folded into the product",
          NORM_LAYER: "W @ LayerNorm(x) in one pass (chunk statistics merged as they come)",

@@ -268,8 +268,8 @@ def l2_prefetch(prog: Any, target: Any, wdtype: str) -> dict[str, Any]:
     prefetch per program (the other half for the KV cache, activations and partials;
     docs/kernel-model.md prices lines beyond it as evicted before use: their bytes cross HBM
     twice), on where that share is at least what a task requests into its registers before its
-    wait (emit.PREFETCH_BYTES): below it the L2 prefetch adds little but its instructions."""
-    from zlc.codegen.emit import PREFETCH_BYTES
+    wait (gemv_plan.PREFETCH_BYTES): below it the L2 prefetch adds little but its instructions."""
+    from zlc.codegen.gemv_plan import PREFETCH_BYTES
     from zlc.codegen.program import PF_UNIT
 
     item = 4 if wdtype == "fp32" else 2

@@ -1,4 +1,4 @@
-"""The decode matrix-vector bodies' shapes (emit.gemv_bodies): which chunks and literals each body
+"""The decode matrix-vector bodies' shapes (gemv_plan.gemv_bodies): which chunks and literals each body
 gets. Register pressure (spills) is checked on real cubins by tests/test_smollm2_bundle.py and
 bench/kernel_stats.py; this pins the plan those cubins come from."""
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from zlc import bundle as fmt
 from zlc.codegen import program as pg
 from zlc.codegen.descriptors import LinearDesc
-from zlc.codegen.emit import MAX_CHUNK, MERGED_NARROW_SPLITS, gemv_bodies
+from zlc.codegen.gemv_plan import MAX_CHUNK, MERGED_NARROW_SPLITS, gemv_bodies
 
 
 def _program(*shapes: tuple[int, int, bool, int], block_n: int = 32, kv_splits: int = 1) -> SimpleNamespace:

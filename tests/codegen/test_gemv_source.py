@@ -1,5 +1,5 @@
 """The source the emitter writes for the decode matrix-vector bodies (codegen/gemv_source.py), pinned
-by golden files: SmolLM2-135M's shapes (K 576, RMSNorm, bf16 weights, BLOCK_N 32) as emit.gemv_bodies
+by golden files: SmolLM2-135M's shapes (K 576, RMSNorm, bf16 weights, BLOCK_N 32) as gemv_plan.gemv_bodies
 plans them -- the gate/up pair, the gate/up pair with the MLP down fused, the LM head's rolled wide
 body -- and the dispatch chain that picks them.
 
@@ -21,7 +21,7 @@ from zlc import bundle as fmt
 from zlc.codegen import gemv_source
 from zlc.codegen import program as pg
 from zlc.codegen.descriptors import LinearDesc
-from zlc.codegen.emit import GemvBody, gemv_bodies
+from zlc.codegen.gemv_plan import GemvBody, gemv_bodies
 
 GOLDEN = Path(__file__).parent / "golden"
 WRITE = os.environ.get("ZLC_WRITE_GOLDEN") == "1"

@@ -98,14 +98,14 @@ def test_split_kv_in_the_interpreter(built: Callable[..., Built], program_bundle
 @pytest.mark.parametrize("name", ["llama", "gpt2", "gemma"])
 def test_unrolled_matrix_vector_bodies(built: Callable[..., Built], program_bundle: Any, work: Path,
                                        name: str) -> None:
-    """The decode matrix-vector bodies specialized per row length (emit.GemvBody: weights and norm
+    """The decode matrix-vector bodies specialized per row length (gemv_plan.GemvBody: weights and norm
     gains requested before the wait, chunks prefetched ahead, RMSNorm folded into the product,
     LayerNorm statistics merged chunk by chunk, split-KV partials merged as the o projection loads
     its row) on the GPU tiling's shape of work: one block of columns per task, and rows unrolled
     into 32-column chunks so every body runs several chunks with loads in flight ahead (llama:
     RMSNorm + gate; gpt2: LayerNorm with bias; gemma: gelu-tanh gate); the LM head's wider tasks
     in the rolled body (its loop, then its last chunk)."""
-    from zlc.codegen.emit import gemv_bodies
+    from zlc.codegen.gemv_plan import gemv_bodies
 
     b = built(name)
     t = gpu_like()

@@ -177,7 +177,7 @@ def test_fused_mlp_matches_the_reference(built: Callable[..., Built], program_bu
     one 16-column block per task, so decode takes the unrolled bodies with the down fused (rows
     in 32-row chunks, loads continuing the gate/up stream); `generic`: two tasks per Linear of
     several blocks, the masked body's per-block down (_down_add)."""
-    from zlc.codegen.emit import gemv_bodies
+    from zlc.codegen.gemv_plan import gemv_bodies
 
     b = built(name)
     t = _gpu_like() if body == "specialized" else _gpu_like(max_linear_tasks=2)

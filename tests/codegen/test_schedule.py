@@ -407,7 +407,7 @@ def test_the_l2_prefetch_takes_each_programs_share_of_half_the_l2(tiny_lowered: 
     from dataclasses import replace
 
     from zlc.build import l2_prefetch
-    from zlc.codegen.emit import PREFETCH_BYTES
+    from zlc.codegen.gemv_plan import PREFETCH_BYTES
 
     t = replace(get_target("a10"), l2_mb=2.0) if target == "small-l2" else get_target(target)
     p = _program(tiny_lowered, "h100")
