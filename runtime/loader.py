@@ -13,6 +13,7 @@ it, else `cpu` (the native C kernel), else a one-line error naming both reasons.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,23 @@ class Bundle:
         self.path = Path(path)
         self.manifest = read_manifest(self.path, check=True)
         self._tokenizer: Any = None
+        # generate()'s sessions, one per (device, threads), kept between calls: a native session
+        # starts worker threads and lays out every weight, which costs more than a short answer.
+        self._sessions: dict[tuple[str, int | None], MegakernelSession] = {}
+        self._lock = threading.Lock()  # one generate() at a time per session
+
+    def close(self) -> None:
+        """Ends the sessions generate() kept (their threads and memory). The bundle stays usable."""
+        with self._lock:
+            sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            s.close()
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def name(self) -> str:
@@ -149,8 +167,14 @@ class Bundle:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, device: str = "auto", *,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  eos: int | list[int] | None = None, threads: int | None = None) -> list[int]:
-        """New token ids after `prompt_ids` (greedy by default)."""
-        with self.session(device, threads=threads) as s:
+        """New token ids after `prompt_ids` (greedy by default). The session is kept for the next
+        call with the same device and threads (`close()` ends it); calls from several threads take
+        turns on it."""
+        key = (self.resolve_device(device), threads)
+        with self._lock:
+            s = self._sessions.get(key)
+            if s is None:
+                s = self._sessions[key] = self.session(key[0], threads=threads)
             return s.generate(list(prompt_ids), max_new_tokens, eos=eos, temperature=temperature,
                               top_p=top_p, seed=seed)
 

@@ -5,6 +5,7 @@ bundle, and one clear error for each kind of bad input."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,25 @@ def test_manifest_describes_every_target(bundle: Path) -> None:
 
 def test_generate_matches_reference(bundle: Path, reference_tokens: list[int]) -> None:
     assert zlc.load(bundle).generate(PROMPT, 6) == reference_tokens
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_generate_keeps_its_session(bundle: Path, reference_tokens: list[int]) -> None:
+    """The native session (its worker threads, its laid-out weights) lives from one generate() to
+    the next, and gives the same tokens on reuse; close() ends it."""
+    before = _threads()
+    with zlc.load(bundle) as b:
+        assert b.generate(PROMPT, 6, device="cpu", threads=3) == reference_tokens
+        started = _threads()
+        assert started == before + 2  # the calling thread is worker 0
+        assert b.generate(PROMPT[:2], 6, device="cpu", threads=3) == b.generate(PROMPT[:2], 6, device="cpu",
+                                                                                  threads=3)
+        assert b.generate(PROMPT, 6, device="cpu", threads=3) == reference_tokens
+        assert _threads() == started
+    assert _threads() == before
 
 
 def test_sampling_is_seeded(bundle: Path) -> None:
