@@ -45,7 +45,7 @@ from .program import Program
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SOURCE = "native/megakernel.c"
 ENTRY = "zlc_native_launch"
-ABI = 1  # bump when an exported function's signature changes (runtime/native.py checks it)
+ABI = 2  # bump when an exported function's signature changes (runtime/native.py checks it)
 ERROR_BAD_OP = 2  # CTRL[ERROR] flag: the table holds an op code the kernel does not know
 
 # -O3 and the level's -march; no -ffast-math (sums keep their written order); -ffp-contract=fast
@@ -98,12 +98,15 @@ def render(p: Program, *, weight_dtype: str, version: str) -> str:
     ks = sorted({int(p.desc_int[d, LinearDesc.k]) for op, d in used if op == fmt.OP_LINEAR})
     dims = sorted({int(p.desc_int[d, AttentionDesc.head_dim]) for op, d in used  # cache_append's word too
                    if op in (fmt.OP_ATTENTION, fmt.OP_CACHE_APPEND)})
+    # the packed formats (ir/quant.py codes) the Linears stream; each gets its own loop body
+    formats = sorted({int(p.desc_int[d, LinearDesc.w_format]) for op, d in used
+                      if op == fmt.OP_LINEAR and not p.desc_int[d, LinearDesc.route]} - {0})
     t = p.tiling
     return env.get_template("megakernel.c.jinja").render(
         version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS, abi=ABI, error_bad_op=ERROR_BAD_OP, chunk=t.chunk,
         block_t=t.block_t, kv_splits=t.kv_splits, max_seq=p.max_seq, max_k=max(ks or [1]),
-        head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims)
+        head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims, w_formats=formats)
 
 
 @dataclass

@@ -26,6 +26,8 @@ class Layout:
         self.a_size = 0
         self.w_size = 0
         self.p_size = 0
+        self.q_size = 0  # bytes
+        self.q_place: dict[Any, int] = {}
         self.w_place: dict[Any, int] = {}
         self.p_place: dict[Any, int] = {}
         self.placements: list[dict[str, Any]] = []
@@ -43,15 +45,21 @@ class Layout:
         return buf
 
     def place(self, v: Value, arena: str) -> int:
-        """The offset of constant `v` in arena "W" or "P" (placed on first use)."""
+        """The offset of constant `v` in arena "W" or "P" (placed on first use). A packed weight
+        asked for in W goes to Q (its offset is then in bytes; `Value.quant` says which format)."""
         key = _data_key(v)
-        table = self.w_place if arena == "W" else self.p_place
+        if arena == "W" and v.quant is not None:
+            arena = "Q"
+        table = {"W": self.w_place, "P": self.p_place, "Q": self.q_place}[arena]
         if key in table:
             off = table[key]
         else:
             n = int(v.type.numel() or 0)
             if arena == "W":
                 off, self.w_size = self.w_size, self.w_size + n + (-n) % 64
+            elif arena == "Q":  # 64-byte aligned: the kernel's wide loads of each block group
+                n = v.quant.nbytes
+                off, self.q_size = self.q_size, self.q_size + n + (-n) % 64
             else:
                 off, self.p_size = self.p_size, self.p_size + n + (-n) % 16
             table[key] = off
@@ -59,8 +67,10 @@ class Layout:
         # bundle's IR resolves (runtime/reference_backend.py rebuilds the graphs from these).
         if (arena, v.name) not in self.placed_names:
             self.placed_names.add((arena, v.name))
-            self.placements.append({"value": v.name, "arena": arena, "offset": off,
-                                    "shape": [int(d) for d in v.shape or ()]})
+            pl = {"value": v.name, "arena": arena, "offset": off, "shape": [int(d) for d in v.shape or ()]}
+            if arena == "Q":
+                pl.update(format=v.quant.format.name, bytes=v.quant.nbytes)
+            self.placements.append(pl)
         return off
 
     def desc(self, label: str, ints: dict[int, int], floats: dict[int, float] | None = None) -> int:
@@ -97,8 +107,9 @@ def _data_key(v: Value) -> Any:
     return ("id", id(v))
 
 
-def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any, Any]:
-    """(W, P) arenas as torch tensors: every placed constant copied to its offset."""
+def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any, Any, Any]:
+    """(W, P, Q) arenas as torch tensors: every placed constant copied to its offset (Q: the
+    packed blocks, bytes, empty when no weight is packed)."""
     import torch
 
     from zlc.reference.kernels import const_tensor
@@ -106,13 +117,18 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any
     wdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[weight_dtype]
     W = torch.zeros(max(program.w_size, 1), dtype=wdt)
     P = torch.zeros(max(program.p_size, 1), dtype=torch.float32)
+    Q = torch.zeros(program.q_size, dtype=torch.uint8)
     consts = {v.name: v for v in decode.consts.values()}
     done: set[tuple[str, int]] = set()
     for pl in program.weights:
         if (pl["arena"], pl["offset"]) in done:  # a tied name: its data is already there
             continue
         done.add((pl["arena"], pl["offset"]))
-        t = const_tensor(consts[pl["value"]]).reshape(-1)
+        v = consts[pl["value"]]
+        if pl["arena"] == "Q":
+            Q[pl["offset"]:pl["offset"] + pl["bytes"]] = torch.from_numpy(v.quant.blocks.reshape(-1))
+            continue
+        t = const_tensor(v).reshape(-1)
         arena = W if pl["arena"] == "W" else P
         arena[pl["offset"]:pl["offset"] + t.numel()] = t.to(arena.dtype)
-    return W, P
+    return W, P, Q

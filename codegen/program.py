@@ -145,6 +145,7 @@ class Program:
     w_size: int
     p_size: int
     weights: list[dict[str, Any]] = field(default_factory=list)  # arena placement of each constant
+    q_size: int = 0  # bytes of the Q arena (packed weights, ir/quant.py)
 
     def constexprs(self, debug: bool = False) -> dict[str, int | str]:
         """The kernel's constexprs but STEP: the mode of the launch, which picks one of the two
@@ -198,4 +199,5 @@ class Program:
                 "waits_per_task": {m: round(sum(len(x.waits) for x in t) / max(len(t), 1), 2)
                                    for m, t in self.tables.items()},
                 "events": self.n_events, "descriptors": len(self.desc_labels),
-                "arena_elements": {"W": self.w_size, "P": self.p_size, "A": self.a_size}}
+                "arena_elements": {"W": self.w_size, "P": self.p_size, "A": self.a_size},
+                **({"q_bytes": self.q_size} if self.q_size else {})}

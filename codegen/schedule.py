@@ -309,4 +309,5 @@ def schedule(decode: Graph, tiling: Tiling, max_seq: int, *, model: str = "model
                    buffers=lay.buffers, a_size=lay.a_size, logits=b.logits,
                    desc_int=desc_int, desc_float=desc_float,
                    desc_labels=lay.desc_labels, tables=tables, n_events=len(events.labels),
-                   event_labels=events.labels, w_size=lay.w_size, p_size=lay.p_size, weights=lay.placements)
+                   event_labels=events.labels, w_size=lay.w_size, p_size=lay.p_size, weights=lay.placements,
+                   q_size=lay.q_size)

@@ -120,8 +120,14 @@ class TaskBuilderCore:
         b = self.layout.buffer(name, cols, self.t.chunk if rows is None else rows)
         return Buf(b.name, cols)
 
-    def w(self, v: Value | None, node: Node) -> int:
-        return self.layout.place(self._const(v, node), "W")
+    def w(self, v: Value | None, node: Node, *, packed_ok: bool = False) -> int:
+        """W offset of a matrix; a packed one (its Q byte offset) only where the reader streams its
+        blocks (`packed_ok`: a Linear's own w/w2)."""
+        c = self._const(v, node)
+        if c.quant is not None and not packed_ok:
+            raise ScheduleError(f"node '{node.name}' ({node.op}) reads the {c.quant.format.name} weight %{c.name} "
+                                "where the kernels only read dense weights")
+        return self.layout.place(c, "W")
 
     def p(self, v: Value | None, node: Node) -> int:
         return -1 if v is None else self.layout.place(self._const(v, node), "P")
@@ -187,6 +193,14 @@ class TaskBuilderCore:
             raise ScheduleError(f"node '{node.name}' ({node.op}): weight {wv.type} does not match "
                                 f"[{n}, {src.cols}]")
         at = 0 if expert is None else expert * n * src.cols
+        w_format = 0 if wv.quant is None else wv.quant.format.code
+        w2v = None if w2 is None else self._const(w2, node)
+        if w2v is not None and (0 if w2v.quant is None else w2v.quant.format.code) != w_format:
+            raise ScheduleError(f"node '{node.name}' ({node.op}): the gated pair's matrices %{wv.name} and "
+                                f"%{w2v.name} are stored in different formats (one descriptor word holds both)")
+        if w_format and (expert is not None or self.t.fuse_mlp_down):
+            raise ScheduleError(f"node '{node.name}' ({node.op}): a packed weight in a MoE expert or a fused MLP "
+                                "down (GPU tiling) is not streamed by the kernels yet")
         if act not in ACTIVATIONS:
             raise ScheduleError(f"node '{node.name}' ({node.op}): activation '{act}' has no kernel")
         if out is None:
@@ -198,11 +212,12 @@ class TaskBuilderCore:
         ranges = [(b * bn, min(n, (b + per) * bn)) for b in range(0, nblocks, per)]
         partials = self.buffer("lm.partials", 2 * len(ranges), rows=1) if lm else None
         common = dict(
-            x_stride=src.cols, k=src.cols, n=n, w=self.w(wv, node) + at,
-            w2=self.w(w2, node) + at if w2 is not None else -1, bias=self.p(bias, node),
+            x_stride=src.cols, k=src.cols, n=n, w=self.w(wv, node, packed_ok=True) + at,
+            w2=self.w(w2, node, packed_ok=True) + at if w2 is not None else -1, bias=self.p(bias, node),
             res_off=self.buffers[residual.name].offset if residual else -1,
             out_off=self.buffers[out.name].offset, out_stride=out.cols, act=ACTIVATIONS[act], lm=int(lm),
-            lm_partials=self.buffers[partials.name].offset if partials else -1, eps=eps, softcap=softcap)
+            lm_partials=self.buffers[partials.name].offset if partials else -1, eps=eps, softcap=softcap,
+            **({"w_format": w_format} if w_format else {}))
         d = self.desc(label, LinearDesc, x_off=self.buffers[src.name].offset, norm=nk, norm_w=nw, norm_b=nb,
                       **common, **(route or {}))
         routed = [Region(self.route_buf[route["route_logits"]], 0, route["route_experts"])] if route else []

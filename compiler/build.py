@@ -6,7 +6,8 @@ The compile pipeline is data: `COMPILE_STAGES`, a list of named stages run in or
 `Build` (what the stages share). Each stage records its time (`CompileResult.seconds`), reports
 progress under its name, and can show what it made (`zlc inspect MODEL --after schedule`):
 
-    lower -> verify (against ONNX Runtime / the torch module) -> schedule + validate per tiling
+    lower -> verify (against ONNX Runtime / the torch module) -> quantize (--quantize: packed Linear
+    weights and their accuracy cost) -> schedule + validate per tiling
     -> emit kernel.py and the IR -> weights (arenas) -> native (the C kernel per ISA level)
     -> aot (cubin per GPU target) -> tokenizer -> ebpf (the XDP program) -> manifest (sha256 of
     every file)
@@ -59,8 +60,10 @@ class Build:
     verify: bool = True
     atol: float | None = None  # None: the default of the model's dtype (verifier.DEFAULT_ATOL)
     debug_waits: bool = False
+    quantize: str | None = None  # the packed format of --quantize (ir/quant.py), None: weights as given
     progress: Progress | None = None
     lowered: Lowered | None = None
+    quantization: dict[str, Any] | None = None  # what --quantize packed and what it cost
     verification: dict[str, Any] = field(default_factory=lambda: {"status": "skipped"})
     programs: dict[str, Any] = field(default_factory=dict)  # tiling -> codegen Program
     tilings: dict[str, Any] = field(default_factory=dict)  # tiling -> manifest entry
@@ -123,6 +126,28 @@ def _verify(b: Build) -> None:
                                 f"({b.verification['summary']}); not compiling it (see `zlc verify`)")
 
 
+def _quantize(b: Build) -> None:
+    from zlc.passes.quantize import quantize_graphs
+
+    from .reference.accuracy import accuracy, probe_logits
+
+    if b.quantize is None:
+        return
+    assert b.lowered is not None
+    b.report("quantize", f"{b.quantize}: probes on the unquantized model")
+    before = probe_logits(b.lowered)
+    graphs = [g for g in (b.lowered.graph, b.lowered.prefill, b.lowered.decode) if g is not None]
+    summary = quantize_graphs(graphs, b.quantize)
+    from .ir import verify_graph
+
+    for g in graphs:
+        verify_graph(g)
+    b.report("quantize", f"{len(summary.packed)} weights packed ({summary.f32_mb()}), {len(summary.dense)} dense")
+    acc = accuracy(before, probe_logits(b.lowered, forced=before))
+    b.report("quantize", acc["summary"])
+    b.quantization = {**summary.manifest(), "accuracy": acc}
+
+
 def _schedule(b: Build) -> None:
     from zlc.codegen.schedule import schedule, tiling_for
     from zlc.codegen.validate import validate_program
@@ -163,8 +188,8 @@ def _weights(b: Build) -> None:
     from zlc.codegen.pack import pack_arenas
 
     b.report("weights", f"{b.wdtype} arenas")
-    W, P = pack_arenas(b.decode, b.programs["cpu"], b.wdtype)
-    save_file({"W": W, "P": P}, str(b.tmp / "weights.safetensors"))
+    W, P, Q = pack_arenas(b.decode, b.programs["cpu"], b.wdtype)
+    save_file({"W": W, "P": P, **({"Q": Q} if Q.numel() else {})}, str(b.tmp / "weights.safetensors"))
 
 
 def _native(b: Build) -> None:
@@ -348,7 +373,11 @@ def _manifest(b: Build) -> None:
                    "params": list(signature(b.wdtype)), "debug_waits": b.debug_waits,
                    "features": b.kernel_features},
         "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
-                    "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights},
+                    "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights,
+                    **({"Q": {"dtype": "u8", "bytes": decode.q_size,
+                              "formats": sorted({p["format"] for p in decode.weights if p["arena"] == "Q"})}}
+                       if decode.q_size else {})},
+        "quantization": b.quantization,
         "tilings": b.tilings, "targets": b.target_info, "native": b.native, "verification": b.verification,
         "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled in by compile() below
     }
@@ -397,6 +426,8 @@ def _show_manifest(b: Build) -> str:
 COMPILE_STAGES: tuple[CompileStage, ...] = (
     CompileStage("lower", _lower, _show_lower, "the lowering pipeline (zlc.driver.STAGES): raised prefill/decode"),
     CompileStage("verify", _verify, _show_verify, "the lowered model against ONNX Runtime or the torch module"),
+    CompileStage("quantize", _quantize, lambda b: json.dumps(b.quantization, indent=1),
+                 "--quantize: Linear weights packed (q8_0/q4_0/q4_1), logit deltas on probe prompts"),
     CompileStage("schedule", _schedule, _show_schedule, "task tables per tiling (cpu, gpu), validated"),
     CompileStage("emit", _emit, lambda b: b.kernel_source, "kernel.py from the template; the IR files"),
     CompileStage("weights", _weights, _show_weights, "the W/P arenas, laid out as the kernel reads them"),
@@ -414,14 +445,25 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             dtype: str = "auto", max_seq: int = 2048, tokenizer: str | Path | None = None,
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
-            debug_waits: bool = False, stop_after: str | None = None) -> CompileResult:
+            debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None) -> CompileResult:
     """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
     `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
-    `build` holds what the stages made (`zlc inspect MODEL --after STAGE`)."""
+    `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize` ("int8",
+    "int4", "int4:q4_0", "int4:q4_1") packs the Linear weights (weight-only; CPU targets only: the
+    Triton kernel does not stream packed weights yet)."""
     tgs = _targets(targets)
+    qfmt = None
+    if quantize is not None:
+        from zlc.passes.quantize import parse_scheme
+
+        qfmt = parse_scheme(quantize)
+        gpus = [t.name for t in tgs if t.is_gpu]
+        if gpus:
+            raise ZlcError(f"--quantize {quantize}: the Triton kernel does not stream packed weights yet "
+                           f"(target {', '.join(gpus)}); compile the quantized bundle for --target cpu")
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     if max_seq < 1:
@@ -438,7 +480,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
               wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32"),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
-              progress=progress)
+              progress=progress, quantize=qfmt)
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     try:

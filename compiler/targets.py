@@ -118,7 +118,9 @@ def decode_traffic(decode: Graph, *, context: int, weight_dtype: DType | None = 
                 full.add(id(v))
     weights = 0
     for v in decode.consts.values():
-        if id(v) in full:
+        if id(v) in full and v.quant is not None:  # packed blocks: their own bytes
+            weights += v.quant.nbytes
+        elif id(v) in full:
             weights += (v.type.numel() or 0) * _size(v.dtype, weight_dtype)
         elif id(v) in row_only:
             weights += row_only[id(v)]

@@ -34,7 +34,7 @@ from zlc.targets import ISA_LEVELS
 
 from .cuda_launch import read_safetensors
 
-ABI = 1  # codegen/native.py's ABI: the exported functions' signatures
+ABI = 2  # codegen/native.py's ABI: the exported functions' signatures
 ERROR_FLAGS = {1: "a wait timed out", 2: "the table holds an op code this kernel does not know"}
 
 
@@ -109,7 +109,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.zlc_native_abi.restype = i32
     lib.zlc_native_level.restype = ctypes.c_char_p
     lib.zlc_native_create.restype = p
-    lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, p, i32, p, i32, i32]
+    lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, i32, p, i32, i32]
     lib.zlc_native_launch.restype = i32
     lib.zlc_native_launch.argtypes = [p]
     lib.zlc_native_destroy.restype = None
@@ -180,6 +180,10 @@ class NativeBackend:
         if arenas["W"][0] != wdt:
             raise NativeError(f"{self.bundle}: W is {arenas['W'][0]}, the manifest says {wdt}")
         W = arenas["W"][1].reshape(-1)  # memory-mapped; the library copies it into its own layout
+        # packed weights (bytes; absent from bundles without any), copied and repacked by the library
+        Q = arenas["Q"][1].reshape(-1) if "Q" in arenas else np.zeros(0, dtype=np.uint8)
+        if Q.dtype != np.uint8:
+            raise NativeError(f"{self.bundle}: Q is {arenas['Q'][0]}, packed weights are bytes (U8)")
         self.P = np.array(arenas["P"][1].reshape(-1), dtype=np.float32)
         self.A = _arena(int(lay["a_size"]))
         self.CTRL = np.zeros(int(lay["ctrl_size"]), dtype=np.int32)
@@ -192,13 +196,13 @@ class NativeBackend:
         ctypes.set_errno(0)
         ctx = self.lib.zlc_native_create(
             _ptr(self.TASKS), _ptr(self.DI), _ptr(self.DF), self.DI.shape[0], _ptr(self.CTRL), _ptr(self.CNT),
-            _ptr(W), W.size, _ptr(self.P), _ptr(self.A), self.threads, _ptr(cpus) if cpus.size else None,
+            _ptr(W), W.size, _ptr(Q) if Q.size else None, Q.size, _ptr(self.P), _ptr(self.A), self.threads, _ptr(cpus) if cpus.size else None,
             int(cpus.size), int(bool(debug)))
         if not ctx:
             err = ctypes.get_errno()
             raise NativeError(f"the native kernel could not start a session ({os.strerror(err) if err else 'failed'})")
         self._ctx = ctx
-        del W, arenas  # the file mapping: the library has its copy
+        del W, Q, arenas  # the file mapping: the library has its copy
 
     def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
                want_logits: bool) -> tuple[int, np.ndarray | None]:

@@ -23,23 +23,25 @@ import torch
 
 from zlc.errors import ZlcError
 from zlc.ir import DType
+from zlc.ir.quant import QuantizedWeight, get_format
 from zlc.ir.text import parse_graph
 from zlc.reference.executor import ReferenceExecutor
 
 # A constant without inline data (`const %name: f32[256, 64]`): its data comes from the arenas.
-_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\]\s*$", re.M)
+# A packed one (`const %name: f32[N, K] q4_0`) is a QuantizedWeight cut out of the Q arena.
+_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\](?:\s+(q\d_\d))?\s*$", re.M)
 
 
-def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> dict[str, torch.Tensor]:
+def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     """name -> tensor for every constant of `texts` that has no inline data, cut out of the
     bundle's W/P arenas (views of the arenas when no dtype conversion is needed)."""
     from safetensors.torch import load_file
 
     arenas = load_file(str(bundle / manifest["weights"]["file"]))
     place = {p["value"]: p for p in manifest["weights"]["placement"]}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for text in texts:
-        for name, dt, dims in _WEIGHT_LINE.findall(text):
+        for name, dt, dims, packed in _WEIGHT_LINE.findall(text):
             if name in out:
                 continue
             pl = place.get(name)
@@ -51,6 +53,9 @@ def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> d
             if list(pl["shape"]) != shape:
                 raise ZlcError(f"bundle {bundle}: constant '%{name}' is {dt}{shape} in the IR but "
                                f"{pl['shape']} in weights.placement")
+            if packed:
+                out[name] = _packed(bundle, arenas, pl, name, packed, shape)
+                continue
             n = int(np.prod(shape, dtype=np.int64))
             arena = arenas[pl["arena"]]
             off = int(pl["offset"])
@@ -59,6 +64,24 @@ def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> d
                                f"arena {pl['arena']} ({arena.numel()} elements)")
             out[name] = arena[off:off + n].to(DType(dt).torch).reshape(shape)
     return out
+
+
+def _packed(bundle: Path, arenas: dict[str, torch.Tensor], pl: dict[str, Any], name: str, fmt: str,
+            shape: list[int]) -> QuantizedWeight:
+    """The blocks of a packed constant, as the bundle stores them in Q (the parser dequantizes
+    them with gguf's dequantizer: the reference computes on exactly the kernel's weights)."""
+    f = get_format(fmt)
+    n, k = shape
+    nbytes = n * (k // 32) * f.block_bytes
+    q = arenas.get("Q")
+    off = int(pl["offset"])
+    if pl["arena"] != "Q" or pl.get("format") != fmt or q is None or off < 0 or off + nbytes > q.numel():
+        raise ZlcError(f"bundle {bundle}: constant '%{name}' is {fmt} in the IR but its placement "
+                       f"{pl['arena']}@{off} ({pl.get('format', 'dense')}) is not {nbytes} bytes of {fmt} in Q")
+    blocks = q[off:off + nbytes].numpy().reshape(n, -1)
+    w = QuantizedWeight(f, blocks, n, k)
+    w.check(f"bundle {bundle}: '%{name}'")
+    return w
 
 
 class ReferenceBackend:

@@ -298,7 +298,8 @@ def print_graph(g: Graph) -> str:
         lines.append(f"  input %{v.name}: {v.type}")
     for v in g.consts.values():
         data = _inline(v)
-        lines.append(f"  const %{v.name}: {v.type}" + (f" = {data}" if data is not None else ""))
+        fmt = f" {v.quant.format.name}" if v.quant is not None else ""  # packed blocks: kept aside
+        lines.append(f"  const %{v.name}: {v.type}{fmt}" + (f" = {data}" if data is not None else ""))
     for v in g.state:
         lines.append(f"  state %{v.name}: {v.type}")
     for n in g.nodes:

@@ -27,6 +27,7 @@ from zlc.errors import IRError
 
 from .graph import Graph, print_graph
 from .ops import infer_sym
+from .quant import QuantizedWeight, get_format
 from .types import Dim, DType, TensorType
 from .values import Node, Value
 
@@ -120,7 +121,7 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
         if line.startswith("meta "):
             g.metadata = _parse_value_json(line[5:], lineno)
             continue
-        m = re.match(r"^(input|const|state)\s+%(\S+?):\s*(\w+\[[^\]]*\])(?:\s*=\s*(.*))?$", line)
+        m = re.match(r"^(input|const|state)\s+%(\S+?):\s*(\w+\[[^\]]*\])(?:\s+(q\d_\d))?(?:\s*=\s*(.*))?$", line)
         if m:
             kind, name, ty = m.group(1), m.group(2), _parse_type(m.group(3), lineno)
             if kind == "input":
@@ -128,11 +129,19 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
             elif kind == "state":
                 env[name] = g.add_state(name, ty)
             else:
-                if m.group(4) is not None:
-                    flat = _parse_value_json(m.group(4), lineno)
+                packed = None
+                if m.group(4) is not None:  # a packed weight: `weights` holds its QuantizedWeight
+                    get_format(m.group(4))
+                    packed = weights.get(name)
+                    if not isinstance(packed, QuantizedWeight) or packed.format.name != m.group(4):
+                        raise IRError(f"line {lineno}: constant '%{name}' is {m.group(4)} but its weight is not "
+                                      f"{m.group(4)} blocks")
+                    data: Any = packed.dequantize()
+                elif m.group(5) is not None:
+                    flat = _parse_value_json(m.group(5), lineno)
                     shape = tuple(int(d) for d in (ty.shape or ()))
                     if ty.dtype == DType.bf16:
-                        data: Any = torch.tensor(flat, dtype=torch.bfloat16).reshape(shape)
+                        data = torch.tensor(flat, dtype=torch.bfloat16).reshape(shape)
                     else:
                         data = np.array(flat, dtype=ty.dtype.numpy).reshape(shape)
                 elif name in weights:
@@ -140,6 +149,7 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
                 else:
                     raise IRError(f"line {lineno}: constant '%{name}' has no inline data and no weight")
                 v = g.add_const(name, data)
+                v.quant = packed
                 if v.type != ty:
                     raise IRError(f"line {lineno}: constant '%{name}' is {v.type}, text says {ty}")
                 env[name] = v

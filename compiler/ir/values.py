@@ -20,7 +20,7 @@ from .types import Dim, DType, TensorType
 
 
 class Value:
-    __slots__ = ("name", "type", "producer", "data", "kind", "sym")
+    __slots__ = ("name", "type", "producer", "data", "kind", "sym", "quant")
 
     def __init__(self, name: str, type: TensorType, kind: str, producer: Node | None = None,
                  data: Any = None):
@@ -31,6 +31,9 @@ class Value:
         self.data = data  # np.ndarray / torch.Tensor for consts, else None
         # Known elements of a small integer tensor (shape arithmetic): ints and symbolic dims.
         self.sym: tuple[Dim, ...] | None = None
+        # A Linear weight in a packed format (quant.QuantizedWeight): `data` is then its exact
+        # dequantization, what the reference executor reads; the kernels stream the blocks.
+        self.quant: Any = None
 
     @property
     def dtype(self) -> DType:

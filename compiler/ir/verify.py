@@ -6,7 +6,8 @@ from zlc.errors import IRError, ShapeError
 
 from .graph import Graph
 from .ops import OPS, infer_types
-from .types import TensorType
+from .types import DType, TensorType
+from .values import Value
 
 
 def compatible_types(a: TensorType, b: TensorType) -> bool:
@@ -33,6 +34,8 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
         defined.add(id(v))
         if v.kind == "const" and v.data is None:
             raise IRError(f"constant '%{v.name}' has no data (missing weight)")
+        if v.quant is not None:
+            _check_packed(g, v)
     for n in g.nodes:
         d = OPS.get(n.op)
         if d is None:
@@ -68,3 +71,20 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
     for v in g.outputs:
         if id(v) not in defined:
             raise IRError(f"graph output '%{v.name}' is not defined by any node, input or constant")
+
+
+def _check_packed(g: Graph, v: Value) -> None:
+    """A packed weight (ir/quant.py): f32 [N, K] data, blocks of exactly that matrix, read only as
+    a Linear's weight (the kernels dequantize it in the Linear's weight stream, nowhere else)."""
+    shape = v.shape or ()
+    if v.kind != "const" or v.dtype != DType.f32 or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
+        raise IRError(f"'%{v.name}': a {v.quant.format.name} weight must be an f32 [N, K] constant, got {v.type}")
+    if (int(shape[0]), int(shape[1])) != (v.quant.n, v.quant.k):  # type: ignore[arg-type]
+        raise IRError(f"'%{v.name}': {v.quant.format.name} blocks are for [{v.quant.n}, {v.quant.k}], "
+                      f"the constant is {v.type}")
+    v.quant.check(f"'%{v.name}'")
+    for n in g.nodes:
+        for i, inp in enumerate(n.inputs):
+            if inp is v and (n.op != "Linear" or i != 1):
+                raise IRError(f"node '{n.name}' ({n.op}) reads the {v.quant.format.name} weight '%{v.name}' as "
+                              f"input {i}; a packed weight is only a Linear's weight (input 1)")

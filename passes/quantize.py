@@ -1,0 +1,103 @@
+"""Weight-only quantization of a lowered model's Linear weights (`zlc compile --quantize`).
+
+Every Linear weight that is an f32 [N, K] constant with K a multiple of 32, read by nothing but
+Linears, gets packed blocks (ir/quant.py) and, as its data, their exact dequantization: the graphs
+stay f32 models the reference executor runs, and they compute what the kernels compute from the
+blocks. Left dense, and said so in the summary: an embedding table (also the LM head's matrix when
+tied: the embedding stays in the W arena), MoE expert stacks, and K not a multiple of 32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zlc.errors import ZlcError
+from zlc.ir import DType, Graph, Value
+from zlc.ir.quant import QuantizedWeight, quantize
+
+# `--quantize` spellings -> the format; int4 alone is q4_0 (scale only; q4_1 adds a min per block)
+SCHEMES = {"int8": "q8_0", "int4": "q4_0", "int4:q4_0": "q4_0", "int4:q4_1": "q4_1"}
+
+
+class QuantizeError(ZlcError):
+    """--quantize cannot apply to this model (already packed, an unknown scheme)."""
+
+
+def parse_scheme(scheme: str) -> str:
+    """The weight format of a `--quantize` value ("int8", "int4", "int4:q4_0", "int4:q4_1")."""
+    fmt = SCHEMES.get(scheme.strip().lower())
+    if fmt is None:
+        raise QuantizeError(f"--quantize {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    return fmt
+
+
+@dataclass
+class QuantizeSummary:
+    format: str
+    packed: list[str] = field(default_factory=list)  # constant names
+    dense: dict[str, str] = field(default_factory=dict)  # constant name -> why it stays dense
+    dense_bytes: int = 0  # f32 bytes of the packed weights before
+    packed_bytes: int = 0
+
+    def f32_mb(self) -> str:
+        return f"{self.dense_bytes / 1e6:.1f} MB f32 -> {self.packed_bytes / 1e6:.1f} MB {self.format}"
+
+    def manifest(self) -> dict[str, Any]:
+        return {"format": self.format, "packed": len(self.packed), "dense": self.dense,
+                "f32_bytes": self.dense_bytes, "packed_bytes": self.packed_bytes}
+
+
+def _key(v: Value) -> Any:
+    """Constants sharing one array (a tied LM head, the same weight in prefill and decode)."""
+    d = v.data
+    ptr = d.__array_interface__["data"][0] if hasattr(d, "__array_interface__") else (
+        d.data_ptr() if hasattr(d, "data_ptr") else id(d))
+    return (ptr, tuple(getattr(d, "shape", ())), str(getattr(d, "dtype", "")))
+
+
+def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
+    """Packs the Linear weights of `graphs` (one model's prefill/decode/stateless graphs, which may
+    share constants) in format `fmt`, in place. Raises QuantizeError on an already packed model."""
+    summary = QuantizeSummary(fmt)
+    other_use: set[Any] = set()  # storage read as anything but a Linear's weight
+    wanted: dict[Any, list[Value]] = {}
+    for g in graphs:
+        for v in g.consts.values():
+            if v.quant is not None:
+                raise QuantizeError(f"--quantize: the model is already quantized ('%{v.name}' is "
+                                    f"{v.quant.format.name}); compile it without --quantize")
+        for n in g.nodes:
+            for i, v in enumerate(n.inputs):
+                if v is None or v.kind != "const":
+                    continue
+                if n.op == "Linear" and i == 1:
+                    wanted.setdefault(_key(v), []).append(v)
+                else:
+                    other_use.add(_key(v))
+    done: dict[Any, tuple[QuantizedWeight, Any]] = {}
+    for key, vals in wanted.items():
+        v = vals[0]
+        shape = v.shape or ()
+        why = ("shared with a non-Linear reader (a tied embedding)" if key in other_use
+               else f"{v.dtype.name} weights (only f32 weights are packed)" if v.dtype != DType.f32
+               else f"not an [N, K] matrix ({v.type})" if len(shape) != 2 or not all(isinstance(d, int) for d in shape)
+               else f"K={shape[1]} is not a multiple of 32" if int(shape[1]) % 32  # type: ignore[arg-type]
+               else "")
+        if why:
+            for u in vals:
+                summary.dense.setdefault(u.name, why)
+            continue
+        arr = v.const_array()
+        assert arr is not None
+        q = quantize(arr, fmt)
+        deq = q.dequantize()
+        done[key] = (q, deq)
+        summary.dense_bytes += arr.size * 4
+        summary.packed_bytes += q.nbytes
+        for u in vals:
+            u.data, u.quant = deq, q
+            if u.name not in summary.packed:
+                summary.packed.append(u.name)
+    return summary
