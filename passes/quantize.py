@@ -1,10 +1,10 @@
 """Weight-only quantization of a lowered model's Linear weights (`zlc compile --quantize`).
 
-Every Linear weight that is an f32 [N, K] constant with K a multiple of 32, read by nothing but
-Linears, gets packed blocks (ir/quant.py) and, as its data, their exact dequantization: the graphs
-stay f32 models the reference executor runs, and they compute what the kernels compute from the
-blocks. Left dense, and said so in the summary: an embedding table (also the LM head's matrix when
-tied: the embedding stays in the W arena), MoE expert stacks, and K not a multiple of 32.
+Every Linear matrix (ir/quant.py PACKED_INPUTS: Linear, LMHead, the MLPs) that is an f32 [N, K] constant with K a multiple of 32 gets packed blocks
+(ir/quant.py) and, as its data, their exact dequantization: the graphs stay f32 models the
+reference executor runs, and they compute what the kernels compute from the blocks. The embedding
+table stays dense (also when tied: the LM head then reads a packed copy). Left dense, and said so
+in the summary: MoE expert stacks (3-D), non-f32 weights, K not a multiple of 32.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from zlc.errors import ZlcError
 from zlc.ir import DType, Graph, Value
-from zlc.ir.quant import QuantizedWeight, quantize
+from zlc.ir.quant import PACKED_INPUTS, quantize
 
 # `--quantize` spellings -> the format; int4 alone is q4_0 (scale only; q4_1 adds a min per block)
 SCHEMES = {"int8": "q8_0", "int4": "q4_0", "int4:q4_0": "q4_0", "int4:q4_1": "q4_1"}
@@ -38,6 +38,7 @@ class QuantizeSummary:
     format: str
     packed: list[str] = field(default_factory=list)  # constant names
     dense: dict[str, str] = field(default_factory=dict)  # constant name -> why it stays dense
+    copies: dict[str, str] = field(default_factory=dict)  # a shared matrix -> its Linears' packed copy
     dense_bytes: int = 0  # f32 bytes of the packed weights before
     packed_bytes: int = 0
 
@@ -45,7 +46,7 @@ class QuantizeSummary:
         return f"{self.dense_bytes / 1e6:.1f} MB f32 -> {self.packed_bytes / 1e6:.1f} MB {self.format}"
 
     def manifest(self) -> dict[str, Any]:
-        return {"format": self.format, "packed": len(self.packed), "dense": self.dense,
+        return {"format": self.format, "packed": len(self.packed), "dense": self.dense, "copies": self.copies,
                 "f32_bytes": self.dense_bytes, "packed_bytes": self.packed_bytes}
 
 
@@ -59,10 +60,13 @@ def _key(v: Value) -> Any:
 
 def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
     """Packs the Linear weights of `graphs` (one model's prefill/decode/stateless graphs, which may
-    share constants) in format `fmt`, in place. Raises QuantizeError on an already packed model."""
+    share constants) in format `fmt`, in place. A matrix that is also read otherwise (a tied LM head:
+    the embedding's table) gets a packed copy of its own, `<name>.<fmt>`, for its Linears; the
+    table stays dense for the embedding (a step reads one of its rows, but all of the LM head).
+    Raises QuantizeError on an already packed model."""
     summary = QuantizeSummary(fmt)
     other_use: set[Any] = set()  # storage read as anything but a Linear's weight
-    wanted: dict[Any, list[Value]] = {}
+    wanted: dict[Any, list[tuple[Graph, Any, int, Value]]] = {}  # storage -> (graph, node, input, weight)
     for g in graphs:
         for v in g.consts.values():
             if v.quant is not None:
@@ -72,32 +76,38 @@ def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
             for i, v in enumerate(n.inputs):
                 if v is None or v.kind != "const":
                     continue
-                if n.op == "Linear" and i == 1:
-                    wanted.setdefault(_key(v), []).append(v)
+                if i in PACKED_INPUTS.get(n.op, ()):
+                    wanted.setdefault(_key(v), []).append((g, n, i, v))
                 else:
                     other_use.add(_key(v))
-    done: dict[Any, tuple[QuantizedWeight, Any]] = {}
-    for key, vals in wanted.items():
-        v = vals[0]
+    for key, uses in wanted.items():
+        v = uses[0][3]
         shape = v.shape or ()
-        why = ("shared with a non-Linear reader (a tied embedding)" if key in other_use
-               else f"{v.dtype.name} weights (only f32 weights are packed)" if v.dtype != DType.f32
+        why = (f"{v.dtype.name} weights (only f32 weights are packed)" if v.dtype != DType.f32
                else f"not an [N, K] matrix ({v.type})" if len(shape) != 2 or not all(isinstance(d, int) for d in shape)
                else f"K={shape[1]} is not a multiple of 32" if int(shape[1]) % 32  # type: ignore[arg-type]
                else "")
         if why:
-            for u in vals:
+            for *_, u in uses:
                 summary.dense.setdefault(u.name, why)
             continue
         arr = v.const_array()
         assert arr is not None
         q = quantize(arr, fmt)
-        deq = q.dequantize()
-        done[key] = (q, deq)
+        deq = q.dequantize()  # one array for every graph's value: the layout places it once
         summary.dense_bytes += arr.size * 4
         summary.packed_bytes += q.nbytes
-        for u in vals:
-            u.data, u.quant = deq, q
-            if u.name not in summary.packed:
-                summary.packed.append(u.name)
+        copies: dict[int, Value] = {}  # graph -> its packed copy of a shared matrix
+        for g, n, i, u in uses:
+            if key in other_use:
+                if id(g) not in copies:
+                    copies[id(g)] = g.add_const(f"{u.name}.{fmt}", deq)
+                    copies[id(g)].quant = q
+                w = copies[id(g)]
+                n.inputs[i] = w
+                summary.copies.setdefault(u.name, w.name)
+            else:
+                u.data, u.quant, w = deq, q, u
+            if w.name not in summary.packed:
+                summary.packed.append(w.name)
     return summary

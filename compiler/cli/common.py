@@ -230,6 +230,11 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
               f"max_seq {m['max_seq']}, weights {man['dtype']['weights']} (f32 math)")
     vs = ver.get("status", "skipped")
     out.print(f"verification: {vs}" + (f" ({escape(ver['summary'])})" if ver.get("summary") else ""))
+    q = man.get("quantization")
+    if q:
+        out.print(f"quantized: {q['format']}, {q['packed']} Linear weights packed ({q['f32_bytes'] / 1e6:.1f} MB f32 -> "
+                  f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense; vs unquantized on "
+                  f"{q['accuracy']['probes']} probe prompts: {escape(q['accuracy']['summary'])}")
     for key, tl in man["tilings"].items():
         sm = tl["summary"]
         by = ", ".join(f"{k} {v}" for k, v in sm["tasks_by_op"]["decode"].items())

@@ -70,10 +70,14 @@ class CompileProgress:
 @click.option("--debug-waits", is_flag=True, help="Also ship each GPU kernel's debug build (a wait that never "
               "completes raises an error flag after 2 s instead of hanging the GPU; the first launch "
               "runs it under a host deadline) and its trace build (per-task SM and timestamps).")
+@click.option("--quantize", default=None, metavar="int8|int4[:q4_0|q4_1]",
+              help="Pack the Linear weights (weight-only, GGUF blocks of 32: int8 = q8_0, int4 = q4_0, "
+                   "int4:q4_1 with a min per block); the report gives the logit cost on probe prompts. "
+                   "CPU targets only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
-                as_json: bool) -> None:
+                quantize: str | None, as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
     tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
     from ..targets import get_target
@@ -85,7 +89,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
 
         res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
                       tokenizer=tokenizer, verify=not skip_verify, atol=atol, progress=p, force=force,
-                      debug_waits=debug_waits)
+                      debug_waits=debug_waits, quantize=quantize)
         p.done()
     assert res.path is not None  # the whole pipeline ran
     if as_json:
@@ -99,4 +103,5 @@ def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Pa
             "tasks": {k: v["summary"]["tasks"] for k, v in man["tilings"].items()},
             "targets": {k: {"arch": v["arch"], "resources": v.get("resources"), "roofline": v["roofline"]}
                         for k, v in man["targets"].items()},
-            "verification": man["verification"], "seconds": secs or man.get("compile_seconds")}
+            "verification": man["verification"], "quantization": man.get("quantization"),
+            "seconds": secs or man.get("compile_seconds")}

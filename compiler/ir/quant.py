@@ -21,6 +21,10 @@ from zlc.errors import IRError
 
 BLOCK = 32  # K-values per block, every format here
 
+# Where a packed weight may be read: op -> its inputs that are [N, K] matrices the kernels stream
+# as a Linear's weights (codegen lowers each of them to a Linear task).
+PACKED_INPUTS: dict[str, tuple[int, ...]] = {"Linear": (1,), "LMHead": (1,), "GatedMLP": (1, 2, 3), "MLP": (1, 3)}
+
 
 @dataclass(frozen=True)
 class WeightFormat:
