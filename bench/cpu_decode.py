@@ -11,6 +11,8 @@ previous engine's threads have stopped spinning), so that the load of a shared m
 of them alike. A peer whose package is missing is skipped and the table says so:
 - zlc native f32 / bf16: bundles compiled here by `zlc compile --dtype fp32|bf16 --tokenizer GGUF`
   (cached in --workdir), run by the native C kernel (`session("cpu", threads=N)`);
+- zlc native int8 / int4 / int4:q4_1: the same with `--dtype bf16 --quantize int8|int4|int4:q4_1`
+  (Linear matrices and the LM head's copy in GGUF Q8_0 / Q4_0 / Q4_1 blocks, the embedding bf16);
 - transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
   eager attention, `torch.set_num_threads(N)`, a manual KV-cache loop (no `generate` overhead);
 - onnxruntime-genai fp32: its model builder run offline on the same weights (the dequantized
@@ -48,7 +50,10 @@ from pathlib import Path
 from typing import Any
 
 NEW_TOKENS = 64
-ENGINES = ("zlc-f32", "zlc-bf16", "transformers", "ort-genai", "llama.cpp")
+ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "transformers", "ort-genai", "llama.cpp")
+# zlc engine -> (weight dtype, --quantize)
+ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
+       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1")}
 
 
 # ---- machine bandwidth -----------------------------------------------------------------------------
@@ -114,14 +119,14 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 29, reps: int = 7) -> float 
 Engine = tuple[Callable[[], int], Callable[[int], int], dict[str, Any]]
 
 
-def _bundle(workdir: Path, dtype: str) -> Path:
+def _bundle(workdir: Path, dtype: str, quantize: str | None = None) -> Path:
     import zlc
     from zlc.testing import zoo
 
-    out = workdir / f"smollm2-{dtype}.zlc"
+    out = workdir / (f"smollm2-{dtype}.zlc" if quantize is None else f"smollm2-{quantize.replace(':', '-')}.zlc")
     if not (out / "manifest.json").is_file():
         zlc.compile(zoo.cached_smollm2(), targets=["cpu"], dtype=dtype, max_seq=512,
-                    tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2")
+                    tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2", quantize=quantize)
     return out
 
 
@@ -132,10 +137,10 @@ def prompt_ids(workdir: Path) -> list[int]:
     return list(zlc.load(_bundle(workdir, "bf16")).tokenizer.encode_chat(zoo.SMOLLM2_PROMPT))
 
 
-def setup_zlc(workdir: Path, dtype: str, ids: list[int], threads: int) -> Engine:
+def setup_zlc(workdir: Path, engine: str, ids: list[int], threads: int) -> Engine:
     import zlc
 
-    b = zlc.load(_bundle(workdir, dtype))
+    b = zlc.load(_bundle(workdir, *ZLC[engine]))
     t0 = time.perf_counter()
     s = b.session("cpu", threads=threads)
     roof = b.manifest["targets"]["cpu"]["roofline"]
@@ -268,8 +273,8 @@ def setup_llama_cpp(workdir: Path, ids: list[int], threads: int) -> Engine:
 
 def setup(engine: str, workdir: Path, threads: int) -> Engine:
     ids = prompt_ids(workdir)
-    if engine in ("zlc-f32", "zlc-bf16"):
-        return setup_zlc(workdir, "fp32" if engine == "zlc-f32" else "bf16", ids, threads)
+    if engine in ZLC:
+        return setup_zlc(workdir, engine, ids, threads)
     return {"transformers": setup_transformers, "ort-genai": setup_genai,
             "llama.cpp": setup_llama_cpp}[engine](workdir, ids, threads)
 
@@ -391,7 +396,8 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     f32 = results.get("zlc-f32", {})
     kv = int(z.get("kv_bytes_per_token") or f32.get("kv_bytes_per_token") or 0) * 70  # ~70 positions
     bwn = bw.get(f"threads_{threads}") or 0.0
-    wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "transformers": "f32", "ort-genai": "f32", "llama.cpp": "Q4_1"}
+    wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
+           "transformers": "f32", "ort-genai": "f32", "llama.cpp": "Q4_1"}
     zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
     rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
@@ -431,8 +437,9 @@ def main() -> None:
     if a.engine:
         child(a.engine, a.workdir, a.threads)
         return
-    for dt in ("fp32", "bf16"):
-        _bundle(a.workdir, dt)  # compiled before anything is timed
+    for name in a.engines.split(","):
+        if name in ZLC:
+            _bundle(a.workdir, *ZLC[name])  # compiled before anything is timed
     bw = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
     print(f"read bandwidth: {bw}", file=sys.stderr)
     results = measure(a.engines.split(","), a.workdir, a.threads, a.rounds, a.pause)

@@ -11,19 +11,21 @@ from native_helpers import MODELS, Built
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Built]:
-    """`built(name, max_seq=64, dtype="fp32")`: the zoo model compiled for the CPU (cached)."""
+    """`built(name, max_seq=64, dtype="fp32", quantize=None)`: the zoo model compiled for the CPU
+    (cached); `quantize` as `zlc compile --quantize` (the lowered model is then the unquantized one)."""
     pytest.importorskip("transformers", reason="the zoo's exports need the 'hf' extra")
     import zlc
     from zlc.testing import zoo
 
-    cache: dict[tuple[str, int, str], Built] = {}
+    cache: dict[tuple[str, int, str, str | None], Built] = {}
 
-    def get(name: str, max_seq: int = 64, dtype: str = "fp32") -> Built:
-        key = (name, max_seq, dtype)
+    def get(name: str, max_seq: int = 64, dtype: str = "fp32", quantize: str | None = None) -> Built:
+        key = (name, max_seq, dtype, quantize)
         if key not in cache:
             src = zoo.cached(*MODELS[name])  # type: ignore[arg-type]
-            out = tmp_path_factory.mktemp("native") / f"{name}-{max_seq}-{dtype}.zlc"
-            zlc.compile(src, targets=["cpu"], out=out, max_seq=max_seq, dtype=dtype, verify=False)
+            q = "" if quantize is None else "-" + quantize.replace(":", "-")
+            out = tmp_path_factory.mktemp("native") / f"{name}-{max_seq}-{dtype}{q}.zlc"
+            zlc.compile(src, targets=["cpu"], out=out, max_seq=max_seq, dtype=dtype, verify=False, quantize=quantize)
             cache[key] = Built(out, zlc.lower(src, options=zlc.CompileOptions(max_seq=max_seq)))
         return cache[key]
 
