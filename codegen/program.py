@@ -147,6 +147,11 @@ class Program:
     weights: list[dict[str, Any]] = field(default_factory=list)  # arena placement of each constant
     q_size: int = 0  # bytes of the Q arena (packed weights, ir/quant.py)
 
+    def q_arena(self) -> dict[str, Any]:
+        """The manifest's `weights.Q`: the packed weights' arena (bytes) and the formats in it."""
+        return {"dtype": "u8", "bytes": self.q_size,
+                "formats": sorted({p["format"] for p in self.weights if p["arena"] == "Q"})}
+
     def constexprs(self, debug: bool = False) -> dict[str, int | str]:
         """The kernel's constexprs but STEP: the mode of the launch, which picks one of the two
         kernels the source compiles into (STEP = MODE_PREFILL or MODE_DECODE)."""

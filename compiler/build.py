@@ -6,9 +6,8 @@ The compile pipeline is data: `COMPILE_STAGES`, a list of named stages run in or
 `Build` (what the stages share). Each stage records its time (`CompileResult.seconds`), reports
 progress under its name, and can show what it made (`zlc inspect MODEL --after schedule`):
 
-    lower -> verify (against ONNX Runtime / the torch module) -> quantize (--quantize: packed Linear
-    weights and their accuracy cost) -> schedule + validate per tiling
-    -> emit kernel.py and the IR -> weights (arenas) -> native (the C kernel per ISA level)
+    lower -> verify (against ONNX Runtime / the torch module) -> quantize (--quantize) -> schedule
+    + validate per tiling -> emit kernel.py and the IR -> weights (arenas) -> native (the C kernel per ISA level)
     -> aot (cubin per GPU target) -> tokenizer -> ebpf (the XDP program) -> manifest (sha256 of
     every file)
 
@@ -37,6 +36,7 @@ from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .ir import DType
+from .passes.quantize import quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
 
@@ -127,25 +127,8 @@ def _verify(b: Build) -> None:
 
 
 def _quantize(b: Build) -> None:
-    from zlc.passes.quantize import quantize_graphs
-
-    from .reference.accuracy import accuracy, probe_logits
-
-    if b.quantize is None:
-        return
-    assert b.lowered is not None
-    b.report("quantize", f"{b.quantize}: probes on the unquantized model")
-    before = probe_logits(b.lowered)
-    graphs = [g for g in (b.lowered.graph, b.lowered.prefill, b.lowered.decode) if g is not None]
-    summary = quantize_graphs(graphs, b.quantize)
-    from .ir import verify_graph
-
-    for g in graphs:
-        verify_graph(g)
-    b.report("quantize", f"{len(summary.packed)} weights packed ({summary.f32_mb()}), {len(summary.dense)} dense")
-    acc = accuracy(before, probe_logits(b.lowered, forced=before))
-    b.report("quantize", acc["summary"])
-    b.quantization = {**summary.manifest(), "accuracy": acc}
+    if b.quantize is not None:
+        b.quantization = quantize_lowered(b.lowered, b.quantize, lambda d: b.report("quantize", d))
 
 
 def _schedule(b: Build) -> None:
@@ -374,12 +357,9 @@ def _manifest(b: Build) -> None:
                    "features": b.kernel_features},
         "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
                     "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights,
-                    **({"Q": {"dtype": "u8", "bytes": decode.q_size,
-                              "formats": sorted({p["format"] for p in decode.weights if p["arena"] == "Q"})}}
-                       if decode.q_size else {})},
-        "quantization": b.quantization,
-        "tilings": b.tilings, "targets": b.target_info, "native": b.native, "verification": b.verification,
-        "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled in by compile() below
+                    **({"Q": decode.q_arena()} if decode.q_size else {})},
+        "quantization": b.quantization, "tilings": b.tilings, "targets": b.target_info, "native": b.native,
+        "verification": b.verification, "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled by compile()
     }
     b.report("manifest", "sha256 of every file")
 
@@ -426,8 +406,7 @@ def _show_manifest(b: Build) -> str:
 COMPILE_STAGES: tuple[CompileStage, ...] = (
     CompileStage("lower", _lower, _show_lower, "the lowering pipeline (zlc.driver.STAGES): raised prefill/decode"),
     CompileStage("verify", _verify, _show_verify, "the lowered model against ONNX Runtime or the torch module"),
-    CompileStage("quantize", _quantize, lambda b: json.dumps(b.quantization, indent=1),
-                 "--quantize: Linear weights packed (q8_0/q4_0/q4_1), logit deltas on probe prompts"),
+    CompileStage("quantize", _quantize, lambda b: json.dumps(b.quantization), "--quantize: packed Linear weights"),
     CompileStage("schedule", _schedule, _show_schedule, "task tables per tiling (cpu, gpu), validated"),
     CompileStage("emit", _emit, lambda b: b.kernel_source, "kernel.py from the template; the IR files"),
     CompileStage("weights", _weights, _show_weights, "the W/P arenas, laid out as the kernel reads them"),
@@ -451,25 +430,16 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
     `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
-    `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize` ("int8",
-    "int4", "int4:q4_0", "int4:q4_1") packs the Linear weights (weight-only; CPU targets only: the
-    Triton kernel does not stream packed weights yet)."""
+    `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize`: "int8",
+    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py; CPU targets)."""
     tgs = _targets(targets)
-    qfmt = None
-    if quantize is not None:
-        from zlc.passes.quantize import parse_scheme
-
-        qfmt = parse_scheme(quantize)
-        gpus = [t.name for t in tgs if t.is_gpu]
-        if gpus:
-            raise ZlcError(f"--quantize {quantize}: the Triton kernel does not stream packed weights yet "
-                           f"(target {', '.join(gpus)}); compile the quantized bundle for --target cpu")
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     if max_seq < 1:
         raise ZlcError(f"--max-seq must be positive, got {max_seq}")
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
+    qfmt = scheme_for(quantize, [t.name for t in tgs if t.is_gpu])
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)

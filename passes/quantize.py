@@ -9,7 +9,7 @@ in the summary: MoE expert stacks (3-D), non-f32 weights, K not a multiple of 32
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,18 @@ SCHEMES = {"int8": "q8_0", "int4": "q4_0", "int4:q4_0": "q4_0", "int4:q4_1": "q4
 
 class QuantizeError(ZlcError):
     """--quantize cannot apply to this model (already packed, an unknown scheme)."""
+
+
+def scheme_for(scheme: str | None, gpu_targets: Sequence[str]) -> str | None:
+    """The format of `--quantize scheme` (None: none asked). The packed formats run on the native
+    CPU kernel only for now: with a GPU target it is a one-line error."""
+    if scheme is None:
+        return None
+    fmt = parse_scheme(scheme)
+    if gpu_targets:
+        raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream packed weights yet "
+                            f"(target {', '.join(gpu_targets)}); compile the quantized bundle for --target cpu")
+    return fmt
 
 
 def parse_scheme(scheme: str) -> str:
@@ -111,3 +123,23 @@ def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
             if w.name not in summary.packed:
                 summary.packed.append(w.name)
     return summary
+
+
+def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`zlc compile --quantize`: packs a lowered model's Linear matrices in place (its stateless,
+    prefill and decode graphs), verifies the graphs, and measures the cost with the reference
+    executor (reference/accuracy.py). Returns the manifest's `quantization` entry."""
+    from zlc.ir import verify_graph
+    from zlc.reference.accuracy import accuracy, probe_logits
+
+    say = report or (lambda _: None)
+    say(f"{fmt}: probes on the unquantized model")
+    before = probe_logits(lowered)
+    graphs = [g for g in (lowered.graph, lowered.prefill, lowered.decode) if g is not None]
+    summary = quantize_graphs(graphs, fmt)
+    for g in graphs:
+        verify_graph(g)
+    say(f"{len(summary.packed)} matrices packed ({summary.f32_mb()}), {len(summary.dense)} dense")
+    acc = accuracy(before, probe_logits(lowered, forced=before))
+    say(acc["summary"])
+    return {**summary.manifest(), "accuracy": acc}

@@ -205,7 +205,7 @@ def test_tied_constants_share_one_offset_and_all_resolve(tmp_path: Path) -> None
     # A bundle with those arenas runs on the reference executor and gives the same tokens.
     dst = tmp_path / "tied.zlc"
     shutil.copytree(src, dst)
-    W, P = pack_arenas(decode, prog, "fp32")
+    W, P, _ = pack_arenas(decode, prog, "fp32")  # no packed weights (Q empty)
     save_file({"W": W, "P": P}, str(dst / "weights.safetensors"))
     man2 = copy.deepcopy(man)
     man2["weights"].update(placement=prog.weights, W={"dtype": "fp32", "elements": prog.w_size},
