@@ -85,13 +85,13 @@ def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
                 raise QuantizeError(f"--quantize: the model is already quantized ('%{v.name}' is "
                                     f"{v.quant.format.name}); compile it without --quantize")
         for n in g.nodes:
-            for i, v in enumerate(n.inputs):
-                if v is None or v.kind != "const":
+            for i, inp in enumerate(n.inputs):
+                if inp is None or inp.kind != "const":
                     continue
                 if i in PACKED_INPUTS.get(n.op, ()):
-                    wanted.setdefault(_key(v), []).append((g, n, i, v))
+                    wanted.setdefault(_key(inp), []).append((g, n, i, inp))
                 else:
-                    other_use.add(_key(v))
+                    other_use.add(_key(inp))
     for key, uses in wanted.items():
         v = uses[0][3]
         shape = v.shape or ()

@@ -44,7 +44,7 @@ STAGE_NAMES = ("import", "fold", "canonicalize", "cse", "dce", "raise", "cleanup
 RAISE_STAGE_NAMES = ("raise-norms", "raise-embedding", "raise-linear", "raise-rope", "raise-attention", "raise-moe",
                      "raise-mlp", "raise-fused-projections", "raise-heads", "raise-rows", "raise-lm-head",
                      "raise-blocks")
-COMPILE_STAGE_NAMES = ("lower", "verify", "schedule", "emit", "weights", "native", "aot", "tokenizer", "ebpf",
+COMPILE_STAGE_NAMES = ("lower", "verify", "quantize", "schedule", "emit", "weights", "native", "aot", "tokenizer", "ebpf",
                        "manifest")
 
 _settings = {"debug": False}
