@@ -305,3 +305,57 @@ def test_shuffled_orders_batched(built: Callable[..., Built], tmp_path: Path, se
             nb.close(s)
         _check_closed(nb)
     alone.close()
+
+
+_TSAN_CHILD = r"""
+import json, os, sys
+os.sched_setaffinity(0, range(os.cpu_count()))  # a race needs two workers running at once
+import numpy as np
+from zlc.runtime.batch import NativeBatch
+bundle, lib, out, prompts, feeds = sys.argv[1:6]
+prompts, feeds = json.loads(prompts), json.loads(feeds)
+with NativeBatch(bundle, threads=4, library=lib, page_size=4) as nb:
+    seqs = [nb.open() for _ in prompts]
+    got = [nb.step(list(zip(seqs, prompts)), [True] * len(seqs))]
+    for step in feeds:  # decode rows of every sequence, the first one's prompt again beside them
+        extra = nb.open()
+        rows = [(s, [f]) for s, f in zip(seqs, step)] + [(extra, prompts[0])]
+        got.append(nb.step(rows, [True] * len(rows)))
+        nb.close(extra)
+    nb.check_pages()
+np.savez(out, *[np.stack(g) for g in got])
+import ctypes
+print("child done", "tsan" if hasattr(ctypes.CDLL(None), "__tsan_init") else "no tsan")
+"""
+
+
+def test_tsan_clean_on_a_batched_step(built: Callable[..., Built], tsan: tuple[Path, Path], tmp_path: Path) -> None:
+    """A ThreadSanitizer build (tests/native/conftest.py) runs batched steps (three prompts in one
+    launch, then decode rows beside a new prompt) with 4 workers: no report, and every row equals
+    its request alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    lib, rt = tsan
+    b = built("llama")
+    alone = Alone(b)
+    rng = random.Random(5)
+    prompts = [_prompt(rng, n, b.vocab) for n in (6, 17, 3)]
+    want = [alone.logits(p, 2) for p in prompts]
+    feeds = [[int(np.argmax(w[k])) for w in want] for k in range(2)]
+    env = dict(os.environ, LD_PRELOAD=str(rt), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               TSAN_OPTIONS="halt_on_error=0 exitcode=0 report_signal_unsafe=0")
+    out = tmp_path / "out.npz"
+    proc = subprocess.run([sys.executable, "-c", _TSAN_CHILD, str(b.path), str(lib), str(out), json.dumps(prompts),
+                           json.dumps(feeds)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "child done tsan" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    got = np.load(out)
+    for k in range(3):
+        for i in range(3):
+            _assert_row(got[f"arr_{k}"][i], want[i][k], f"launch {k} request {i}")
+        if k:
+            _assert_row(got[f"arr_{k}"][3], want[0][0], f"launch {k}: the new prompt beside the decode rows")
+    alone.close()
