@@ -5,9 +5,10 @@ best level the host's CPU flags allow (`select_level`, read from /proc/cpuinfo),
 ctypes and drives it through the `Backend` protocol of runtime/megakernel.py. The library owns the
 worker threads: `zlc_native_create` starts `threads - 1` of them once per session (the calling
 thread is worker 0 during a launch), `zlc_native_launch` runs one prefill chunk or decode step and
-returns with every worker back at its idle wait. ctypes releases the GIL for the call.
+returns with every worker back at its idle wait; `zlc_native_batch_launch` runs one batched step
+(rows of several sequences over a paged KV cache, runtime/batch.py). ctypes releases the GIL for the call.
 
-Why ctypes: four C functions, plain pointers and ints; no extension module to build per Python.
+Why ctypes: a few C functions, plain pointers and ints; no extension module to build per Python.
 Why no torch: the arenas are read as raw bytes (`read_safetensors`), so a server on this executor
 starts in well under a second and never imports torch.
 
