@@ -45,7 +45,7 @@ from .program import Program
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SOURCE = "native/megakernel.c"
 ENTRY = "zlc_native_launch"
-ABI = 2  # bump when an exported function's signature changes (runtime/native.py checks it)
+ABI = 3  # bump when an exported function's signature changes (runtime/native.py checks it); 2: packed weights, 3: batched launches
 ERROR_BAD_OP = 2  # CTRL[ERROR] flag: the table holds an op code the kernel does not know
 
 # -O3 and the level's -march; no -ffast-math (sums keep their written order); -ffp-contract=fast

@@ -5,9 +5,10 @@ best level the host's CPU flags allow (`select_level`, read from /proc/cpuinfo),
 ctypes and drives it through the `Backend` protocol of runtime/megakernel.py. The library owns the
 worker threads: `zlc_native_create` starts `threads - 1` of them once per session (the calling
 thread is worker 0 during a launch), `zlc_native_launch` runs one prefill chunk or decode step and
-returns with every worker back at its idle wait. ctypes releases the GIL for the call.
+returns with every worker back at its idle wait; `zlc_native_batch_launch` runs one batched step
+(rows of several sequences over a paged KV cache, runtime/batch.py). ctypes releases the GIL for the call.
 
-Why ctypes: four C functions, plain pointers and ints; no extension module to build per Python.
+Why ctypes: a few C functions, plain pointers and ints; no extension module to build per Python.
 Why no torch: the arenas are read as raw bytes (`read_safetensors`), so a server on this executor
 starts in well under a second and never imports torch.
 
@@ -34,7 +35,7 @@ from zlc.targets import ISA_LEVELS
 
 from .cuda_launch import read_safetensors
 
-ABI = 2  # codegen/native.py's ABI: the exported functions' signatures
+ABI = 3  # codegen/native.py's ABI: the exported functions' signatures
 ERROR_FLAGS = {1: "a wait timed out", 2: "the table holds an op code this kernel does not know"}
 
 
@@ -112,6 +113,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, i32, p, i32, i32]
     lib.zlc_native_launch.restype = i32
     lib.zlc_native_launch.argtypes = [p]
+    lib.zlc_native_kv_token_floats.restype = i64
+    lib.zlc_native_kv_token_floats.argtypes = [p]
+    lib.zlc_native_batch_launch.restype = i32
+    lib.zlc_native_batch_launch.argtypes = [p, p, i64, i64, i32, p, p, p, p, i64, p, i32]
     lib.zlc_native_destroy.restype = None
     lib.zlc_native_destroy.argtypes = [p]
 
@@ -225,6 +230,37 @@ class NativeBackend:
         rows = self.A[lg["offset"]:lg["offset"] + lg["rows"] * lg["cols"]].reshape(lg["rows"], lg["cols"])
         sel = rows[:len(ids)] if all_logits else rows[len(ids) - 1:len(ids)]
         return tok, sel.copy()
+
+    def kv_token_floats(self) -> int:
+        """f32 of the paged KV cache per token (every layer's K and V); -1 when this model's
+        tables have no batched launch (an attention reads a cache no cache_append writes)."""
+        if self._ctx is None:
+            raise NativeError("the native session is closed")
+        return int(self.lib.zlc_native_kv_token_floats(self._ctx))
+
+    def batch_launch(self, kv: np.ndarray, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray,
+                     pages: np.ndarray, lrows: np.ndarray) -> np.ndarray:
+        """One batched launch (the kernel's "batched steps"): row r is token tokens[r] at position
+        pos[r] of the sequence whose page table starts at pages[pt[r]]; the pages live in `kv`
+        (f32, page_size * kv_token_floats() per page). Returns the logits of rows `lrows`
+        ([len(lrows), vocab], a copy). The int arrays must be int32 and contiguous (runtime/batch.py
+        builds them)."""
+        if self._ctx is None:
+            raise NativeError("the native session is closed")
+        n_pages = kv.size // max(1, page_size * self.kv_token_floats())
+        flags = self.lib.zlc_native_batch_launch(
+            self._ctx, _ptr(kv), page_size, n_pages, len(tokens), _ptr(tokens), _ptr(pos), _ptr(pt), _ptr(pages),
+            pages.size, _ptr(lrows), len(lrows))
+        if flags < 0:
+            raise ZlcError("the native kernel refused a batched launch (a position, page or row out of range)")
+        if flags:
+            what = "; ".join(v for k, v in ERROR_FLAGS.items() if flags & k) or "unknown"
+            raise ZlcError(f"the megakernel raised error flags {flags} ({what})")
+        if self.CNT.any():
+            raise ZlcError("the megakernel did not reset its counters")
+        lg = self.logits
+        n = len(lrows)
+        return self.A[lg["offset"]:lg["offset"] + n * lg["cols"]].reshape(n, lg["cols"]).copy()
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, None

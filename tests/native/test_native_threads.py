@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import platform
 import random
 import re
 import subprocess
@@ -27,14 +26,13 @@ from megakernel_cases import guarded_read
 from native_helpers import ATOL, PROMPT, Built, assert_matches, run_both
 
 from zlc import bundle as fmt
-from zlc.codegen.native import compile_library, find_compiler
+from zlc.codegen.native import find_compiler
 from zlc.codegen.program import Task
 from zlc.codegen.schedule import signalers
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables
 from zlc.codegen.validate import TableError, validate_program, validate_tasks
 from zlc.errors import ZlcError
 from zlc.reference.session import ReferenceSession
-from zlc.targets import isa_levels_for
 
 pytestmark = pytest.mark.skipif(find_compiler()[0] is None, reason="no C compiler on this host")
 
@@ -117,24 +115,6 @@ s.close()
 import ctypes
 print("child done", "tsan" if hasattr(ctypes.CDLL(None), "__tsan_init") else "no tsan")
 """
-
-
-@pytest.fixture(scope="module")
-def tsan(built: Callable[..., Built], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(the tiny Llama bundle, a ThreadSanitizer build of its C kernel), built with gcc."""
-    import shutil
-
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("ThreadSanitizer builds use gcc's libtsan; no gcc here")
-    rt = subprocess.run([gcc, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
-    if not rt or not Path(rt).is_file():
-        pytest.skip("gcc has no libtsan.so (install libtsan)")
-    b = built("llama")
-    level = isa_levels_for(platform.machine())[-1]  # any level: the race is in the protocol, not the ISA
-    lib = tmp_path_factory.mktemp("tsan") / "megakernel-tsan.so"
-    compile_library(b.path / b.manifest["native"]["source"], lib, level, gcc, extra=("-fsanitize=thread", "-g", "-O1"))
-    return lib, Path(rt)
 
 
 def _run_tsan(b: Built, lib: Path, rt: Path, tables: Path | None, out: Path, feeds: list[int], rounds: int = 2) -> str:

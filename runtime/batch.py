@@ -1,0 +1,222 @@
+"""Batched steps: many sequences' rows in one launch, over a paged KV cache.
+
+`BatchBackend` is the protocol the engine's scheduler is written against (docs/megakernel.md,
+"Batched steps and the paged KV cache"): sequences are opened, fed rows step by step (decode rows
+of running sequences and prefill chunks of new ones in the same step) and closed. `NativeBatch`
+implements it on the native C kernel with one launch per step: the prefill table's Linear tasks
+read each weight tile once for all rows, the row-dependent ops read each row's (position, page
+table), and the KV cache is one arena of fixed-size pages handed out here, on the host, from a
+free list, so memory is spent on tokens that exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from zlc import bundle as fmt
+from zlc.errors import ZlcError
+
+from .native import NativeBackend, NativeError
+
+DEFAULT_PAGE_SIZE = 16  # tokens per page: a sequence wastes < 16 positions; a lookup per 16 keys
+DEFAULT_KV_BYTES = 256 << 20  # the default KV budget (at least one full max_seq sequence)
+
+
+class OutOfPages(ZlcError):
+    """step() would need more KV pages than are free; raised before anything runs."""
+
+
+class BatchBackend(Protocol):
+    max_rows: int      # rows one step can carry in total (decode rows + prefill chunk rows)
+    max_seq: int       # positions one sequence may hold (the bundle's max_seq)
+    page_size: int     # tokens per KV page (1 page = page_size positions of one sequence)
+    pages_total: int   # the KV budget of this session, in pages
+
+    def pages_free(self) -> int: ...
+
+    def open(self) -> int:
+        """A new, empty sequence; returns its id. Holds no pages until rows are appended."""
+
+    def close(self, seq: int) -> None:
+        """Forget `seq` and return its pages at once (finished, cancelled or preempted)."""
+
+    def length(self, seq: int) -> int:
+        """Tokens `seq` holds in its KV cache."""
+
+    def step(self, rows: Sequence[tuple[int, Sequence[int]]], want_logits: Sequence[bool]) \
+            -> list[np.ndarray | None]:
+        """One launch. Each entry (seq, ids) appends `ids` (1 id for a decode row, up to the rest of
+        max_rows for a prefill chunk) at seq's next positions, attends causally over seq's own
+        cache, and when want_logits[i] returns the f32 logits [vocab] of that entry's LAST id
+        (else None). A sequence appears at most once per step; sum(len(ids)) <= max_rows.
+        Raises OutOfPages (nothing run, nothing changed) when the pages needed are not free, and a
+        ZlcError naming the limit when a sequence would pass max_seq."""
+
+    def close_all(self) -> None: ...   # end of session (threads, memory)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class NativeBatch:
+    """`BatchBackend` on the native C kernel: one launch per step, a paged KV cache.
+
+    `page_size` tokens per page (default 16); `pages` the KV budget in pages (default: what
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence). Other keywords go to
+    `NativeBackend` (threads, pin, tables, library, level, debug). The session's own contiguous
+    cache (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
+
+    def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *,
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, **backend: Any):
+        if manifest is None:
+            manifest = fmt.read_manifest(Path(bundle), check=True)
+        if page_size < 1:
+            raise ZlcError(f"page_size must be at least 1, got {page_size}")
+        self.max_seq = int(manifest["model"]["max_seq"])
+        self.vocab = int(manifest["model"]["vocab"])
+        self.nb = NativeBackend(bundle, manifest, **backend)
+        self.max_rows = self.nb.chunk
+        self.page_size = int(page_size)
+        self.token_floats = self.nb.kv_token_floats()
+        if self.token_floats <= 0:
+            self.nb.close()
+            raise NativeError(f"{bundle}: an attention reads a KV cache no cache_append writes; this model has "
+                              "no batched launch")
+        page_bytes = 4 * self.page_size * self.token_floats
+        if pages is None:
+            pages = max(pages_for(self.max_seq, self.page_size), DEFAULT_KV_BYTES // page_bytes)
+        if pages < 1:
+            self.nb.close()
+            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
+        self.pages_total = int(pages)
+        # np.zeros: untouched pages cost no memory until a sequence first writes them
+        self.kv = np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
+        self._free = list(range(self.pages_total - 1, -1, -1))  # pop() hands out page 0 first
+        self._pages: dict[int, list[int]] = {}
+        self._length: dict[int, int] = {}
+        self._next_id = 0
+
+    # ---- sequences and pages --------------------------------------------------------------------
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    def open(self) -> int:
+        seq = self._next_id
+        self._next_id += 1
+        self._pages[seq], self._length[seq] = [], 0
+        return seq
+
+    def _known(self, seq: int) -> None:
+        if seq not in self._length:
+            raise ZlcError(f"sequence {seq} is not open")
+
+    def close(self, seq: int) -> None:
+        self._known(seq)
+        self._free.extend(reversed(self._pages.pop(seq)))
+        del self._length[seq]
+
+    def length(self, seq: int) -> int:
+        self._known(seq)
+        return self._length[seq]
+
+    def pages_of(self, seq: int) -> list[int]:
+        """The pages `seq` holds, in position order (a copy)."""
+        self._known(seq)
+        return list(self._pages[seq])
+
+    def check_pages(self) -> None:
+        """The page invariant: every page is free or owned by exactly one sequence, each sequence
+        holds exactly the pages its length needs. AssertionError naming what is wrong."""
+        owned = [p for ps in self._pages.values() for p in ps]
+        everything = owned + self._free
+        assert len(set(everything)) == len(everything), "a page is owned twice (or owned and free)"
+        assert sorted(everything) == list(range(self.pages_total)), "pages are lost"
+        for seq, ps in self._pages.items():
+            assert len(ps) == pages_for(self._length[seq], self.page_size), f"sequence {seq} holds {len(ps)} pages"
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _validate(self, rows: Sequence[tuple[int, Sequence[int]]], want_logits: Sequence[bool]) -> int:
+        """Checks a step before anything changes; returns the pages it needs."""
+        if len(want_logits) != len(rows):
+            raise ZlcError(f"want_logits has {len(want_logits)} entries for {len(rows)} rows")
+        if not rows:
+            raise ZlcError("a step needs at least one row")
+        seen: set[int] = set()
+        total = need = 0
+        for seq, ids in rows:
+            self._known(seq)
+            if seq in seen:
+                raise ZlcError(f"sequence {seq} appears twice in one step")
+            seen.add(seq)
+            if not ids:
+                raise ZlcError(f"sequence {seq}: a step entry with no ids")
+            bad = [i for i in ids if not 0 <= int(i) < self.vocab]
+            if bad:
+                raise ZlcError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+            end = self._length[seq] + len(ids)
+            if end > self.max_seq:
+                raise ZlcError(f"sequence {seq} would hold {end} tokens, past the bundle's max_seq={self.max_seq}")
+            total += len(ids)
+            need += pages_for(end, self.page_size) - len(self._pages[seq])
+        if total > self.max_rows:
+            raise ZlcError(f"a step of {total} rows exceeds max_rows={self.max_rows} (the native chunk)")
+        if need > len(self._free):
+            raise OutOfPages(f"the step needs {need} KV pages, {len(self._free)} of {self.pages_total} are free")
+        return need
+
+    def step(self, rows: Sequence[tuple[int, Sequence[int]]], want_logits: Sequence[bool]) \
+            -> list[np.ndarray | None]:
+        self._validate(rows, want_logits)
+        taken: list[tuple[int, int]] = []  # (seq, pages added): undone if the launch fails
+        tokens: list[int] = []
+        pos: list[int] = []
+        pt: list[int] = []
+        table: list[int] = []
+        lrows: list[int] = []
+        for (seq, ids), want in zip(rows, want_logits, strict=True):
+            start, n = self._length[seq], len(ids)
+            own = self._pages[seq]
+            add = pages_for(start + n, self.page_size) - len(own)
+            own.extend(self._free.pop() for _ in range(add))
+            taken.append((seq, add))
+            base = len(table)
+            table.extend(own)
+            tokens.extend(int(i) for i in ids)
+            pos.extend(range(start, start + n))
+            pt.extend([base] * n)
+            if want:
+                lrows.append(len(tokens) - 1)
+        i32 = np.int32
+        try:
+            logits = self.nb.batch_launch(self.kv, self.page_size, np.array(tokens, i32), np.array(pos, i32),
+                                          np.array(pt, i32), np.array(table, i32), np.array(lrows, i32))
+        except BaseException:
+            for seq, add in taken:
+                own = self._pages[seq]
+                self._free.extend(reversed(own[len(own) - add:]))
+                del own[len(own) - add:]
+            raise
+        for seq, ids in rows:
+            self._length[seq] += len(ids)
+        out: list[np.ndarray | None] = []
+        k = 0
+        for want in want_logits:
+            out.append(logits[k] if want else None)
+            k += bool(want)
+        return out
+
+    def close_all(self) -> None:
+        for seq in list(self._length):
+            self.close(seq)
+        self.nb.close()
+
+    def __enter__(self) -> NativeBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_all()
