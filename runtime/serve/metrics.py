@@ -85,7 +85,7 @@ class ServerMetrics:
         r = self.registry
         for name, doc in (("steps", "Batched steps the engine has run"),
                           ("rows", "Rows (decode tokens + prefill tokens) those steps carried"),
-                          ("host_seconds", "Engine time per step outside the executor (admission, row building, "
+                          ("host_seconds", "Engine time per step outside the executor (taking requests, admission, row building, "
                            "sampling, results), summed"),
                           ("backend_seconds", "Engine time inside the executor's step, summed"),
                           ("preemptions", "Sequences preempted for KV pages (recomputed later)")):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import metric, wait_for
+from serve_helpers import engine_pid, metric, wait_for
 
 MODEL = "llama-chat"
 WORDS = ["rings", "kernels", "caches", "sockets", "frames", "tokens", "queues", "fences"]
@@ -116,7 +118,16 @@ def tiny_budget_server(chat_bundle: Path, server_process: Any) -> Any:
 
 def test_preemption_under_a_tiny_page_budget_keeps_the_text(tiny_budget_server: Any, bundle: Any) -> None:
     alone = alone_texts(bundle, 40, PROMPTS[:4])
-    got = run_together(tiny_budget_server, PROMPTS[:4], max_tokens=40)
+    pid = engine_pid(tiny_budget_server)
+    os.kill(pid, signal.SIGSTOP)  # held until all four are in the ring: they arrive at one step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(chat, tiny_budget_server, p, 40) for p in PROMPTS[:4]]
+            wait_for("the 4 submitted", lambda: metric(tiny_budget_server, "zlc_queue_depth") == 4, timeout=30)
+            os.kill(pid, signal.SIGCONT)
+            got = [f.result() for f in futures]
+    finally:
+        os.kill(pid, signal.SIGCONT)
     assert got == [(200, alone[p]) for p in PROMPTS[:4]]
     assert metric(tiny_budget_server, "zlc_engine_preemptions") > 0
     wait_for("all pages back", lambda: all_pages_back(tiny_budget_server), timeout=10)
