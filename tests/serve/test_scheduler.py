@@ -212,3 +212,22 @@ def test_random_arrivals_cancels_and_preemptions(bundle: Any, sessions: Any, sol
         else:
             assert d.tokens(rid) == want, (rid, prompt, n)
     release(b, sessions)
+
+
+def test_sampled_rows_keep_their_own_generator(bundle: Any, sessions: Any) -> None:
+    """Seeded temperature/top_p rows beside greedy ones give the tokens the same request gets
+    alone (each row samples with its own generator, from its own logits)."""
+    make, pool = sessions
+    s = make()
+    prompts = [prompt_of(i, 7 + i, bundle.vocab) for i in range(3)]
+    params = [(0.9, 0.95, 11), (0.0, 1.0, 0), (1.3, 0.8, 5)]
+    want = [list(s.stream(p, MAX_NEW, eos=bundle.eos_token_ids, temperature=t, top_p=tp, seed=seed))
+            for p, (t, tp, seed) in zip(prompts, params, strict=True)]
+    pool.append(s)
+    b = backend(bundle, sessions)
+    d = Driver(b, bundle, max_batch=3, prefill_chunk=4)
+    for i, (p, (t, tp, seed)) in enumerate(zip(prompts, params, strict=True), 1):
+        d.s.submit(Request(i, p, MAX_NEW, temperature=t, top_p=tp, seed=seed))
+    d.run()
+    assert [d.tokens(i) for i in (1, 2, 3)] == want
+    release(b, sessions)
