@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from zlc.runtime.batch import OutOfPages, SequentialBatch, pages_for
@@ -59,10 +59,11 @@ def sessions(bundle: Any) -> Any:
         s.close()
 
 
-def backend(bundle: Any, sessions: Any, *, max_seqs: int = 4, pages_total: int | None = None) -> SequentialBatch:
+def backend(bundle: Any, sessions: Any, *, max_seqs: int = 4, pages_total: int | None = None,
+            page_size: int = 16) -> SequentialBatch:
     make, _ = sessions
     return SequentialBatch(make, max_seq=bundle.max_seq, max_seqs=max_seqs, max_rows=max_seqs + 16,
-                           pages_total=pages_total)
+                           page_size=page_size, pages_total=pages_total)
 
 
 def release(b: SequentialBatch, sessions: Any) -> None:
@@ -176,25 +177,31 @@ def test_a_prompt_beyond_the_whole_budget_is_refused_naming_it(bundle: Any, sess
 
 
 events = st.lists(st.one_of(
-    st.tuples(st.just("arrive"), st.integers(1, 24), st.integers(1, MAX_NEW)),  # prompt length, max_tokens
+    # a burst of arrivals at one step: (prompt length, max_tokens) each
+    st.tuples(st.just("arrive"), st.lists(st.tuples(st.integers(1, 24), st.integers(1, MAX_NEW)), min_size=1,
+                                          max_size=3), st.just(0)),
     st.tuples(st.just("cancel"), st.integers(1, 6), st.just(0)),
     st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
 ), max_size=12)
 
 
-@settings(max_examples=12, deadline=None)
-@given(events=events, pages=st.sampled_from([3, 5, None]), chunk=st.sampled_from([4, 16]))
+@settings(max_examples=15, deadline=None)
+@given(events=events, pages=st.sampled_from([6, 9, None]), chunk=st.sampled_from([4, 16]))
+@example(events=[("arrive", [(10, 8), (10, 8)], 0), ("step", 2, 0), ("arrive", [(3, 8)], 0), ("cancel", 3, 0)],
+         pages=6, chunk=16)  # two fill the budget, then both need a page: a preemption
 def test_random_arrivals_cancels_and_preemptions(bundle: Any, sessions: Any, solo: Any, events: list[Any],
                                                  pages: int | None, chunk: int) -> None:
-    b = backend(bundle, sessions, max_seqs=3, pages_total=pages)
+    # Pages of 4 tokens: sequences cross page boundaries often, so a small budget preempts.
+    b = backend(bundle, sessions, max_seqs=3, pages_total=pages, page_size=4)
     d = Driver(b, bundle, max_batch=3, prefill_chunk=chunk)
     asked: dict[int, tuple[list[int], int]] = {}
     cancelled: set[int] = set()
-    for kind, a, c in events:
+    for kind, a, c in events:  # noqa: B007 (c: a step count or unused)
         if kind == "arrive":
-            rid = len(asked) + 1
-            asked[rid] = (prompt_of(rid, a, bundle.vocab), c)
-            d.s.submit(Request(rid, asked[rid][0], c))
+            for length, n in a:
+                rid = len(asked) + 1
+                asked[rid] = (prompt_of(rid, length, bundle.vocab), n)
+                d.s.submit(Request(rid, asked[rid][0], n))
         elif kind == "cancel" and a in asked:
             if d.s.cancel(a):
                 cancelled.add(a)
@@ -202,10 +209,12 @@ def test_random_arrivals_cancels_and_preemptions(bundle: Any, sessions: Any, sol
             for _ in range(a):
                 d.step()
     d.run()
+    event(f"preempted: {d.s.stats.preemptions > 0}")  # coverage, shown by --hypothesis-show-statistics
     for rid, (prompt, n) in asked.items():
         mine = d.out[rid]
         assert [i for i, (_, f) in enumerate(mine) if f & ResultFlag.LAST] == [len(mine) - 1], (rid, mine)
-        want = solo(prompt, n)
+        # max_tokens is clipped so that the request fits the whole budget alone
+        want = solo(prompt, min(n, b.pages_total * b.page_size - len(prompt) + 1))
         if rid in cancelled:
             assert mine[-1] == (EngineError.CANCELLED, ResultFlag.ERROR | ResultFlag.LAST)
             assert d.tokens(rid) == want[:len(d.tokens(rid))]
