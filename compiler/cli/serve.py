@@ -48,6 +48,18 @@ from .common import cli, err_console
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="CPU threads of the executor (reference/cpu devices): raise for big models on many "
               "cores; 1 keeps small models' latency steady.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests the engine runs side by side (continuous batching): each step gives every "
+              "running one its next token. More shortens the wait under load (and raises throughput with a batched "
+              "kernel) and lengthens each step; without a batched kernel each running request holds a session "
+              "of its own (on cpu: a copy of the weights).")
+@click.option("--kv-pages", type=click.IntRange(min=1), default=None,
+              help="The engine's KV cache budget in pages (page size: the executor's, 16 tokens without a "
+              "batched kernel); when a step needs more, the youngest request is preempted and recomputed "
+              "later [default: --max-batch full contexts of the bundle's max_seq].")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prompt tokens prefilled per step, between the running requests' tokens: larger gives a "
+              "new request its first token sooner, smaller keeps the running ones' inter-token time steady.")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds requests in flight may still run (no new connections, /health 503) "
               "before the rest end with an error and the server exits 0.")
@@ -65,7 +77,8 @@ from .common import cli, err_console
 @click.option("--metrics-public", is_flag=True, help="Serve /metrics without the API key when --api-key is set.")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
           frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int, max_body: int,
-          request_timeout: float, spin_us: float, threads: int, drain_timeout: float, step_deadline: float | None,
+          request_timeout: float, spin_us: float, threads: int, max_batch: int, kv_pages: int | None,
+          prefill_chunk: int, drain_timeout: float, step_deadline: float | None,
           restart_limit: int, restart_window: float, insecure_frames: bool, metrics_public: bool) -> None:
     """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
     completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
@@ -81,7 +94,7 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
 
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
-                        threads=threads,
+                        threads=threads, max_batch=max_batch, kv_pages=kv_pages, prefill_chunk=prefill_chunk,
                         limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout),
                         drain_timeout_s=drain_timeout, step_deadline_s=step_deadline,
                         restart=RestartPolicy(limit=restart_limit, window_s=restart_window),

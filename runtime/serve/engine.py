@@ -1,20 +1,27 @@
-"""The engine: the one process that owns the executor. It drains the request ring, runs prefill and
-decode steps, and pushes every token to the result ring the moment it exists.
+"""The engine: the one process that owns the executor. It drains the request ring, runs batched
+steps through the scheduler, and pushes every token to the result ring the moment it exists.
 
-    ingress ──push──▶ request ring ──▶ engine (executor: cuda | cpu: the native kernel | interpret | reference)
+    ingress ──push──▶ request ring ──▶ engine (scheduler.py over a batch.BatchBackend)
     ingress ◀──pop─── result ring  ◀──┘
 
-The kernel is batch 1 (one sequence, one KV cache), so requests run one at a time, first come first
-served: FIFO is the fair order when nothing can run side by side, and no request waits behind one
-that arrived later. Requests waiting beyond ``max_queue`` are answered at once with an OVERLOADED
-error result instead of growing a queue without limit. A CANCEL request (client gone, stop sequence
-matched) drops a waiting request or stops the running one between two tokens. A PING request is
-answered with a PONG result at the start of the next step: the ingress's supervisor (supervisor.py)
-pings an idle engine so that a stopped or wedged one is noticed even when no request is running.
+Requests run side by side (continuous batching, scheduler.py): at every step waiting requests are
+admitted first come first served while the batch has room, each running sequence gets its next
+token, a new prompt is prefilled in chunks between them, and finished or cancelled sequences leave
+at once. The backend is NativeBatch (one kernel launch per step) where runtime/batch.py has a
+batched kernel for the device, else SequentialBatch (one session per sequence, rows one after
+another). Requests waiting beyond ``max_queue`` are answered at once with an OVERLOADED error
+result instead of growing a queue without limit. A CANCEL request (client gone, stop sequence
+matched) drops a waiting request or closes the running one's sequence before the next step. A PING
+request is answered with a PONG result at the start of the next step: the ingress's supervisor
+(supervisor.py) pings an idle engine so that a stopped or wedged one is noticed even when no
+request is running.
 
 Wake-ups go through two eventfds next to the rings (ingress → engine after a push, engine → ingress
 after results): the idle side sleeps in the kernel instead of spinning on a 2-core machine, and
-the busy side pays one write() per batch. ``spin_us`` trades a core for lower wake-up latency.
+the busy side pays one write() per step. ``spin_us`` trades a core for lower wake-up latency.
+
+The scheduler's counters (steps, rows, host and backend time, preemptions, batch occupancy) go to a
+small shared file (``EngineStats``) that the ingress reads when /metrics is scraped.
 
 Result flags: EOS on an end-of-sequence token, LAST on the final result of a request, ERROR with the
 error code (``EngineError``) in the token field; flags and codes are protocol.py's, which the
@@ -24,27 +31,17 @@ ingress imports too (it never imports this module).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import select
 import signal
 import sys
 import time
-import traceback
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from .engine_stats import EngineStats
 from .protocol import EngineError, RequestFlag, ResultFlag
-from .rings import Request, RingRegion
-
-
-@dataclass
-class _Running:
-    request: Request
-    tokens: Iterator[int]
-    produced: int = 0
-    stops: frozenset[int] = field(default_factory=frozenset)
+from .rings import RingRegion
+from .scheduler import Scheduler
 
 
 def _notify(fd: int) -> None:
@@ -62,22 +59,34 @@ def _drain_eventfd(fd: int) -> None:
 
 
 class Engine:
-    """The serving loop over one session (anything with ``stream(ids, n, eos=, temperature=,
-    top_p=, seed=)`` yielding tokens, and ``max_seq``). ``request_fd``/``result_fd``: eventfds (or
-    None to poll without sleeping, for tests in one thread)."""
+    """The serving loop over one BatchBackend. ``request_fd``/``result_fd``: eventfds (or None to
+    poll without sleeping, for tests in one thread)."""
 
-    def __init__(self, session: Any, region: RingRegion, *, eos: list[int], max_queue: int = 64,
-                 request_fd: int | None = None, result_fd: int | None = None, spin_us: float = 0.0):
-        self.session = session
+    def __init__(self, backend: Any, region: RingRegion, *, eos: list[int], vocab: int, max_queue: int = 64,
+                 max_batch: int = 8, prefill_chunk: int = 64, request_fd: int | None = None,
+                 result_fd: int | None = None, spin_us: float = 0.0, stats: EngineStats | None = None):
+        self.backend = backend
         self.region = region
-        self.eos = frozenset(eos)
         self.max_queue = max_queue
         self.request_fd, self.result_fd = request_fd, result_fd
         self.spin_ns = int(spin_us * 1000)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: _Running | None = None
+        self.scheduler = Scheduler(backend, self._emit, eos=frozenset(eos), vocab=vocab, max_batch=max_batch,
+                                   prefill_chunk=prefill_chunk, log=self._log)
+        self.stats = stats
+        self.host_ns = self.last_host_ns = 0  # the engine's time outside the executor's steps
         self.stopping = False
-        self.served = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    @property
+    def served(self) -> int:
+        return self.scheduler.served
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(f"zlc engine: {msg}", file=sys.stderr, flush=True)
 
     # -- results
 
@@ -93,91 +102,47 @@ class Engine:
         if self.result_fd is not None:
             _notify(self.result_fd)
 
-    def _fail(self, request_id: int, code: EngineError) -> None:
-        self._emit(request_id, int(code), ResultFlag.ERROR | ResultFlag.LAST)
-
     # -- requests
 
     def _take_requests(self) -> int:
         got = self.region.requests.pop_many(256)
+        sched = self.scheduler
         for r in got:
             if r.flags & RequestFlag.PING:
                 self._emit(r.request_id, 0, ResultFlag.PONG | ResultFlag.LAST)
             elif r.flags & RequestFlag.CANCEL:
-                self._cancel(r.request_id)
-            elif len(self.waiting) >= self.max_queue:
-                self._fail(r.request_id, EngineError.OVERLOADED)
+                sched.cancel(r.request_id)  # already finished: its LAST is out, nothing to free
+            elif len(sched.waiting) >= self.max_queue:
+                self._emit(r.request_id, int(EngineError.OVERLOADED), ResultFlag.ERROR | ResultFlag.LAST)
             else:
-                self.waiting.append(r)
+                sched.submit(r)
         return len(got)
-
-    def _cancel(self, request_id: int) -> None:
-        if self.running is not None and self.running.request.request_id == request_id:
-            self.running = None
-            self._fail(request_id, EngineError.CANCELLED)
-            return
-        for r in self.waiting:
-            if r.request_id == request_id:
-                self.waiting.remove(r)
-                self._fail(request_id, EngineError.CANCELLED)
-                return
-        # Already finished: its LAST result is out; nothing to free.
-
-    def _start(self, r: Request) -> None:
-        stops = self.eos
-        # top_p 0 keeps only the most likely token: greedy (a nucleus of no mass would be empty). The
-        # slot's f32 also turns a tiny top_p into 0.
-        temperature = r.temperature if r.top_p > 0.0 else 0.0
-        tokens = self.session.stream(list(r.tokens), r.max_tokens, eos=sorted(stops), temperature=temperature,
-                                     top_p=r.top_p, seed=r.seed)
-        self.running = _Running(r, tokens, stops=stops)
-
-    def _advance(self) -> None:
-        """One token of the running request (its prefill on the first call)."""
-        run = self.running
-        assert run is not None
-        rid = run.request.request_id
-        try:
-            tok = next(run.tokens)
-        except StopIteration:  # max_tokens 0
-            self.running = None
-            self._emit(rid, 0, ResultFlag.LAST)
-            return
-        except Exception as e:
-            self.running = None
-            from zlc.errors import ZlcError
-
-            code = EngineError.BAD_REQUEST if isinstance(e, ZlcError) else EngineError.INTERNAL
-            if code is EngineError.INTERNAL:
-                traceback.print_exc(file=sys.stderr)
-            else:
-                print(f"zlc engine: request {rid}: {e}", file=sys.stderr)
-            self._fail(rid, code)
-            return
-        run.produced += 1
-        flags = 0
-        if tok in run.stops:
-            flags |= ResultFlag.EOS
-        if flags or run.produced >= run.request.max_tokens:
-            flags |= ResultFlag.LAST
-            self.running = None
-            self.served += 1
-        self._emit(rid, tok, flags)
 
     # -- loop
 
     def step(self) -> bool:
-        """One turn: take new requests, then produce one token. False when there was nothing to do."""
+        """One turn: take new requests, then one batched step. False when there was nothing to do."""
+        t0 = time.perf_counter_ns()
+        st = self.scheduler.stats
+        backend_before = st.backend_ns
         took = self._take_requests()
-        if self.running is None and self.waiting:
-            self._start(self.waiting.popleft())
-        if self.running is not None:
-            self._advance()
-            self._flush()
-            return True
-        if took:
-            self._flush()  # errors (overload, cancel) went out
-        return took > 0
+        ran = self.scheduler.step()
+        if ran or took:
+            self._flush()  # tokens, or errors (overload, cancel, bad prompts)
+            # The engine's own cost of this turn: everything but the executor's step (taking
+            # requests, the scheduler's work, result pushes, the wake-up write).
+            self.last_host_ns = time.perf_counter_ns() - t0 - (st.backend_ns - backend_before)
+            self.host_ns += self.last_host_ns
+            self._publish()
+        return ran or took > 0
+
+    def _publish(self) -> None:
+        if self.stats is None:
+            return
+        s, b, st = self.scheduler, self.backend, self.scheduler.stats
+        self.stats.values[:] = (st.steps, st.rows, self.host_ns * 1e-9, st.backend_ns * 1e-9, st.preemptions,
+                                len(s.running), len(s.waiting), b.pages_free(), b.pages_total,
+                                self.last_host_ns * 1e-9, st.last_backend_ns * 1e-9)
 
     def run(self, idle_check: Any = None) -> None:
         """Serves until ``stop()``; sleeps on the request eventfd when idle. ``idle_check`` is
@@ -231,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--spin-us", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads for the executor's torch/numpy work")
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences running side by side")
+    ap.add_argument("--kv-pages", type=int, default=None, help="KV budget in pages (default: max-batch full contexts)")
+    ap.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per step")
+    ap.add_argument("--stats-fd", type=int, default=None, help="memfd for EngineStats (the ingress reads it)")
     args = ap.parse_args(argv)
     parent = os.getppid()
     _die_with_parent()
@@ -241,19 +210,27 @@ def main(argv: list[str] | None = None) -> int:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     try:
+        from zlc.runtime.batch import batch_backend
         from zlc.runtime.loader import load
 
         bundle = load(args.bundle)
-        session = bundle.session(args.device, threads=args.threads)
+        backend = batch_backend(bundle, args.device, threads=args.threads, max_seqs=args.max_batch,
+                                prefill_chunk=args.prefill_chunk, pages_total=args.kv_pages)
         region = RingRegion.attach(args.region)
-        if args.device == "interpret":  # warm the interpreter (first launch imports and traces)
-            list(session.stream([0], 1))
+        # The first sequence's session now, not on the first request (a native session starts
+        # threads; the interpreter's first launch imports and traces).
+        seq = backend.open()
+        backend.step([(seq, [0])], [False])
+        backend.close(seq)
+        stats = EngineStats(args.stats_fd) if args.stats_fd is not None else None
     except Exception as e:
         ready.write(f"error: {e}\n")
         ready.close()
         return 1
-    engine = Engine(session, region, eos=bundle.eos_token_ids, max_queue=args.max_queue,
-                    request_fd=args.request_fd, result_fd=args.result_fd, spin_us=args.spin_us)
+    engine = Engine(backend, region, eos=bundle.eos_token_ids, vocab=bundle.vocab, max_queue=args.max_queue,
+                    max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, request_fd=args.request_fd,
+                    result_fd=args.result_fd, spin_us=args.spin_us, stats=stats)
+    engine._publish()
     def on_term(*_: object) -> None:
         engine.stop()
         _notify(args.request_fd)  # wake the select() (PEP 475 would otherwise resume it)
@@ -270,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine.run(idle_check=parent_alive)
     finally:
-        session.close()
+        engine.scheduler.close()
+        backend.close_all()
         region.close()
     return 0
 

@@ -24,6 +24,7 @@ from typing import Protocol
 
 from zlc.errors import ZlcError
 
+from .engine_stats import EngineStats
 from .protocol import RequestFlag, ResultFlag
 from .rings import Request, RingRegion
 
@@ -36,9 +37,12 @@ class ResultHandler(Protocol):
 
 class EngineClient:
     def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, request_capacity: int = 256,
-                 result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1):
+                 result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1, max_batch: int = 8,
+                 kv_pages: int | None = None, prefill_chunk: int = 64):
         self.bundle, self.device = bundle, device
         self.max_queue, self.spin_us, self.threads = max_queue, spin_us, threads
+        self.max_batch, self.kv_pages, self.prefill_chunk = max_batch, kv_pages, prefill_chunk
+        self.stats = EngineStats()  # the engine writes its counters here (/metrics reads them)
         self.region = RingRegion.create(None, request_capacity, result_capacity)
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
@@ -61,9 +65,12 @@ class EngineClient:
         cmd = [sys.executable, "-m", "zlc.runtime.serve.engine", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
-               "--spin-us", str(self.spin_us), "--threads", str(self.threads)]
+               "--spin-us", str(self.spin_us), "--threads", str(self.threads), "--max-batch", str(self.max_batch),
+               "--prefill-chunk", str(self.prefill_chunk), "--stats-fd", str(self.stats.fd)]
+        if self.kv_pages is not None:
+            cmd += ["--kv-pages", str(self.kv_pages)]
         # Its own process group: killing a hung engine takes the executor's worker processes along.
-        self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w, self.stats.fd), stdin=subprocess.DEVNULL,
                                      process_group=0)
         os.close(w)
         self._pidfd = os.pidfd_open(self.proc.pid)
@@ -130,6 +137,7 @@ class EngineClient:
         self.request_fd = self.result_fd = self._pidfd = -1
         self.handlers.clear()
         self.region.close()
+        self.stats.close()
 
     def detach(self) -> None:
         """Stops watching the engine from the loop (on the loop's thread: before close() runs in

@@ -67,7 +67,7 @@ TRAILERS = FrameFlag.COOKIE | FrameFlag.MAC
 
 
 class FrameErrorCode(enum.IntEnum):
-    """Codes in an ERROR result frame (1..4 and 8 are protocol.EngineError's, forwarded as they are)."""
+    """Codes in an ERROR result frame (1..4, 8 and 9 are protocol.EngineError's, forwarded as they are)."""
 
     OVERLOADED = 1
     BAD_REQUEST = 2
@@ -77,6 +77,7 @@ class FrameErrorCode(enum.IntEnum):
     UNAUTHORIZED = 6  # --api-key is set and the frame (UDP) or connection (TCP) did not prove it
     VERIFY = 7  # UDP: send the request again with the cookie that follows this code
     UNAVAILABLE = 8  # the engine stopped (crashed, hung) or the server is shutting down: retry
+    KV_BUDGET = 9  # the prompt needs more KV cache than the engine's whole budget (--kv-pages)
 
 
 class FrameError(ValueError):

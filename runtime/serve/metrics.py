@@ -79,6 +79,25 @@ class ServerMetrics:
         ring.labels("request").set_function(request_ring)
         ring.labels("result").set_function(result_ring)
 
+    def watch_engine(self, stat: Callable[[str], float]) -> None:
+        """Exports the engine's scheduler counters (EngineStats, read when scraped). They restart
+        from 0 with a restarted engine."""
+        r = self.registry
+        for name, doc in (("steps", "Batched steps the engine has run"),
+                          ("rows", "Rows (decode tokens + prefill tokens) those steps carried"),
+                          ("host_seconds", "Engine time per step outside the executor (taking requests, admission, row building, "
+                           "sampling, results), summed"),
+                          ("backend_seconds", "Engine time inside the executor's step, summed"),
+                          ("preemptions", "Sequences preempted for KV pages (recomputed later)")):
+            Gauge(f"zlc_engine_{name}", doc + " (since the engine started)",
+                  registry=r).set_function(functools.partial(stat, name))
+        for name, doc in (("running", "Sequences in the batch now"),
+                          ("waiting", "Requests waiting for the batch now"),
+                          ("pages_free", "Free KV pages"), ("pages_total", "The KV budget in pages"),
+                          ("last_host_seconds", "The last step's engine time outside the executor"),
+                          ("last_backend_seconds", "The last step's time inside the executor")):
+            Gauge(f"zlc_engine_{name}", doc, registry=r).set_function(functools.partial(stat, name))
+
     def for_api(self, api: str) -> ApiMetrics:
         return ApiMetrics(self.ttft.labels(api), self.itl.labels(api), self.requests.labels(api, "ok"))
 

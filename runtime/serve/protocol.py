@@ -36,6 +36,7 @@ class EngineError(enum.IntEnum):
     BAD_REQUEST = 2  # the executor refused the prompt (too long, token outside the vocabulary)
     INTERNAL = 3  # the executor failed
     CANCELLED = 4  # a CANCEL request stopped it
+    KV_BUDGET = 9  # the prompt needs more KV pages than the engine's whole budget (--kv-pages)
     # Never sent by the engine: the ingress ends a request with it when the engine is lost (exited,
     # hung) or the server shuts down before the request finished.
     UNAVAILABLE = 8

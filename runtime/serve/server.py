@@ -71,6 +71,9 @@ class ServeOptions:
     max_queue: int = 32  # requests waiting in the engine before new ones get "overloaded"
     spin_us: float = 0.0  # the engine polls its ring this long before sleeping (for isolated cores)
     threads: int = 1  # the executor's CPU threads (reference / cpu devices)
+    max_batch: int = 8  # sequences the engine runs side by side (continuous batching)
+    kv_pages: int | None = None  # the engine's KV budget in pages (None: max_batch full contexts)
+    prefill_chunk: int = 64  # prompt tokens prefilled per step (TTFT vs inter-token latency)
     limits: HttpLimits = field(default_factory=HttpLimits)
     frame_timeout_s: float = 5.0  # a partial TCP frame older than this closes the connection
     xdp: str | None = None  # attach the bundle's XDP program to this interface (needs udp_port)
@@ -108,11 +111,13 @@ class Server:
         deadline = o.step_deadline_s or step_deadline_s(device)
         self.engine = EngineSupervisor(
             lambda: EngineClient(str(self.bundle.path), o.device, max_queue=o.max_queue, spin_us=o.spin_us,
-                                 threads=o.threads),
+                                 threads=o.threads, max_batch=o.max_batch, kv_pages=o.kv_pages,
+                                 prefill_chunk=o.prefill_chunk),
             step_deadline_s=deadline, policy=o.restart, on_give_up=self._give_up,
             on_restart=lambda kind: self.metrics.engine_restarts.labels(kind).inc())
         self.metrics = ServerMetrics(lambda: self.engine.in_flight, lambda: self.engine.occupancy("request"),
                                      lambda: self.engine.occupancy("result"), engine_up=lambda: self.engine.up)
+        self.metrics.watch_engine(self.engine.engine_stat)
         self.per_api = {api.name: self.metrics.for_api(api.name) for api in APIS}
         self.extra_headers = f"x-zlc-architecture: {ARCHITECTURE}\r\nserver: zlc\r\n".encode()
         self.connections: set[HttpConnection] = set()

@@ -145,6 +145,11 @@ class EngineSupervisor:
     def in_flight(self) -> int:
         return self.client.in_flight if self.client is not None and self.client.usable else 0
 
+    def engine_stat(self, name: str) -> float:
+        """One of the current engine's EngineStats counters (0 while there is none)."""
+        c = self.client
+        return 0.0 if c is None or c.closed else c.stats.get(name)
+
     def occupancy(self, ring: str) -> float:
         c = self.client
         if c is None or c.closed:

@@ -1,7 +1,8 @@
-"""The engine loop in-process over real rings and the bundle's reference executor: FIFO order,
-overload answers, cancellation of waiting and running requests, bad prompts, the supervisor's
-PING, top_p 0, and a Hypothesis run
-of random submit/cancel/step interleavings against a model of what each request must receive."""
+"""The engine loop in-process over real rings and the bundle's reference executor (through
+SequentialBatch): FIFO order at batch 1, a batch's rows giving the tokens each gives alone,
+overload answers, cancellation of waiting and running requests, bad prompts, the supervisor's PING,
+top_p 0, and a Hypothesis run of random submit/cancel/step interleavings against a model of what
+each request must receive."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zlc.runtime.batch import SequentialBatch
 from zlc.runtime.serve.engine import Engine
 from zlc.runtime.serve.protocol import EngineError, RequestFlag, ResultFlag
 from zlc.runtime.serve.rings import Request, RingRegion
@@ -37,9 +39,17 @@ def expected(bundle: Any, session: Any) -> list[list[int]]:
     return [list(session.stream(p, 5, eos=bundle.eos_token_ids)) for p in PROMPTS]
 
 
-def make(session: Any, bundle: Any, max_queue: int = 8) -> Engine:
+@pytest.fixture(scope="module")
+def backend(bundle: Any) -> Any:
+    b = SequentialBatch(lambda: bundle.session("reference"), max_seq=bundle.max_seq, max_seqs=4)
+    yield b
+    b.close_all()
+
+
+def make(backend: Any, bundle: Any, max_queue: int = 8, max_batch: int = 4) -> Engine:
     region = RingRegion.anonymous(16, 256)
-    return Engine(session, region, eos=bundle.eos_token_ids, max_queue=max_queue, spin_us=0)
+    return Engine(backend, region, eos=bundle.eos_token_ids, vocab=bundle.vocab, max_queue=max_queue,
+                  max_batch=max_batch, spin_us=0)
 
 
 def run_until_idle(engine: Engine) -> list[tuple[int, int, int]]:
@@ -47,13 +57,13 @@ def run_until_idle(engine: Engine) -> list[tuple[int, int, int]]:
     for _ in range(1000):
         busy = engine.step()
         out += [(r, t, f) for r, t, f, _ in engine.region.results.raw.pop_many(1000)]
-        if not busy and engine.running is None and not engine.waiting:
+        if not busy and engine.idle:
             return out
     raise AssertionError("engine did not go idle")
 
 
-def test_fifo_run_to_completion(session: Any, bundle: Any, expected: list[list[int]]) -> None:
-    e = make(session, bundle)
+def test_fifo_run_to_completion_at_batch_1(backend: Any, bundle: Any, expected: list[list[int]]) -> None:
+    e = make(backend, bundle, max_batch=1)
     for i, p in enumerate(PROMPTS[:3], 1):
         assert e.region.requests.push(Request(i, p, 5))
     out = run_until_idle(e)
@@ -67,8 +77,22 @@ def test_fifo_run_to_completion(session: Any, bundle: Any, expected: list[list[i
     e.region.close()
 
 
-def test_overload_beyond_the_queue(session: Any, bundle: Any) -> None:
-    e = make(session, bundle, max_queue=2)
+def test_batch_rows_give_their_solo_tokens(backend: Any, bundle: Any, expected: list[list[int]]) -> None:
+    """All four prompts side by side: each request's tokens are the ones it gets alone, and the
+    steps interleave them (one token each per step)."""
+    e = make(backend, bundle)
+    for i, p in enumerate(PROMPTS, 1):
+        assert e.region.requests.push(Request(i, p, 5))
+    out = run_until_idle(e)
+    for i in range(1, len(PROMPTS) + 1):
+        assert [t for r, t, _ in out if r == i] == expected[i - 1]
+    assert e.scheduler.stats.steps < sum(len(x) for x in expected)  # rows shared steps
+    assert backend.pages_free() == backend.pages_total
+    e.region.close()
+
+
+def test_overload_beyond_the_queue(backend: Any, bundle: Any) -> None:
+    e = make(backend, bundle, max_queue=2)
     for i in range(1, 6):
         e.region.requests.push(Request(i, PROMPTS[0], 1))
     out = run_until_idle(e)
@@ -78,8 +102,8 @@ def test_overload_beyond_the_queue(session: Any, bundle: Any) -> None:
     e.region.close()
 
 
-def test_cancel_running_and_waiting(session: Any, bundle: Any) -> None:
-    e = make(session, bundle)
+def test_cancel_running_and_waiting(backend: Any, bundle: Any) -> None:
+    e = make(backend, bundle, max_batch=1)
     e.region.requests.push(Request(1, PROMPTS[1], 50))
     e.region.requests.push(Request(2, PROMPTS[2], 50))
     e.step()
@@ -90,12 +114,12 @@ def test_cancel_running_and_waiting(session: Any, bundle: Any) -> None:
     assert [f for r, _, f in out if r == 2] == [ResultFlag.ERROR | ResultFlag.LAST]
     ones = [(t, f) for r, t, f in out if r == 1]
     assert len(ones) < 50 and ones[-1] == (EngineError.CANCELLED, ResultFlag.ERROR | ResultFlag.LAST)
-    assert e.running is None and not e.waiting
+    assert e.idle and backend.pages_free() == backend.pages_total
     e.region.close()
 
 
-def test_bad_prompt_is_an_error_result(session: Any, bundle: Any) -> None:
-    e = make(session, bundle)
+def test_bad_prompt_is_an_error_result(backend: Any, bundle: Any) -> None:
+    e = make(backend, bundle)
     e.region.requests.push(Request(1, [bundle.vocab + 5], 3))  # outside the vocabulary
     e.region.requests.push(Request(2, PROMPTS[0], 1))
     out = run_until_idle(e)
@@ -104,10 +128,10 @@ def test_bad_prompt_is_an_error_result(session: Any, bundle: Any) -> None:
     e.region.close()
 
 
-def test_ping_is_answered_with_a_pong(session: Any, bundle: Any, expected: list[list[int]]) -> None:
+def test_ping_is_answered_with_a_pong(backend: Any, bundle: Any, expected: list[list[int]]) -> None:
     """The supervisor's liveness check: a PING gets one PONG|LAST at the next step, even behind a
     running request, which goes on undisturbed."""
-    e = make(session, bundle)
+    e = make(backend, bundle)
     e.region.requests.push(Request(1, PROMPTS[0], 5))
     e.step()
     e.region.requests.push(Request(0, [], 0, flags=RequestFlag.PING))
@@ -117,9 +141,9 @@ def test_ping_is_answered_with_a_pong(session: Any, bundle: Any, expected: list[
     e.region.close()
 
 
-def test_top_p_0_is_greedy(session: Any, bundle: Any, expected: list[list[int]]) -> None:
+def test_top_p_0_is_greedy(backend: Any, bundle: Any, expected: list[list[int]]) -> None:
     """temperature 1 with top_p 0 keeps the most likely token only: the greedy reply, not an error."""
-    e = make(session, bundle)
+    e = make(backend, bundle)
     e.region.requests.push(Request(1, PROMPTS[0], 5, temperature=1.0, top_p=0.0, seed=7))
     out = run_until_idle(e)
     assert [t for r, t, f in out if r == 1 and not f & ResultFlag.ERROR] == expected[0]
@@ -135,8 +159,8 @@ ops = st.lists(st.one_of(
 
 @settings(max_examples=25, deadline=None)
 @given(ops=ops)
-def test_random_interleavings(session: Any, bundle: Any, expected: list[list[int]], ops: list[Any]) -> None:
-    e = make(session, bundle, max_queue=3)
+def test_random_interleavings(backend: Any, bundle: Any, expected: list[list[int]], ops: list[Any]) -> None:
+    e = make(backend, bundle, max_queue=3)
     submitted: dict[int, tuple[int, int]] = {}
     cancelled: set[int] = set()
     out: list[tuple[int, int, int]] = []

@@ -203,11 +203,13 @@ def test_engine_sigstop_while_idle_is_noticed(faulty: Any) -> None:
 
 
 def test_sigterm_cuts_at_the_drain_timeout(faulty: Any, figures: list[Tally]) -> None:
-    """8 streams in flight at SIGTERM, --drain-timeout 2; once the first has finished, the engine is
-    stopped (SIGSTOP), so the others cannot finish in time: they get the API's error at the drain
-    deadline. The server exits 0 without a traceback."""
+    """8 streams in flight at SIGTERM, --drain-timeout 2; once the first has finished (a short
+    one: the 8 run side by side, so the long ones finish together), the engine is stopped
+    (SIGSTOP), so the others cannot finish in time: they get the API's error at the drain deadline.
+    The server exits 0 without a traceback."""
     base = faulty.base_url
-    clients = [anthropic_stream(base, 120) if i % 2 == 0 else openai_stream(base, 120) for i in range(8)]
+    clients = [anthropic_stream(base, 10 if i == 0 else 120) if i % 2 == 0 else openai_stream(base, 120)
+               for i in range(8)]
     pid = all_in_flight(faulty, clients)
     os.kill(pid, signal.SIGSTOP)
     t_fault = time.monotonic()

@@ -1,0 +1,271 @@
+"""Continuous batching: which rows the next step of a BatchBackend (runtime/batch.py) carries.
+
+At every step the scheduler
+  1. admits waiting requests, oldest first, while the batch has room (``max_batch`` sequences) and
+     the free KV pages can hold the front request's context (no overtaking: FIFO, so nobody starves);
+  2. builds one step: a decode row for every running sequence whose next token is known, then
+     prefill chunks of the oldest admitted-but-unprefilled prompts, ``prefill_chunk`` tokens in all,
+     within ``max_rows``. The chunk size is the knob between time to first token (a big chunk
+     prefills a new prompt in fewer steps) and inter-token latency (every running sequence waits
+     for the whole step, chunk included);
+  3. runs it; on OutOfPages preempts the youngest running sequence (closes it, puts it back at the
+     front of the queue; it recomputes prompt + generated tokens when readmitted) and retries, so
+     nobody fails for lack of pages and the oldest always progresses;
+  4. samples each row from its logits with its own parameters (greedy: argmax, lowest index on
+     ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
+     top_p / seed with its own torch generator), emits the token, retires rows that hit a stop
+     token or max_tokens and closes their sequence at once.
+
+The host cost of all this per step (everything but backend.step) is measured: ``stats``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zlc.runtime.batch import BatchBackend, OutOfPages, pages_for
+
+from .protocol import EngineError, ResultFlag
+from .rings import Request
+
+Emit = Callable[[int, int, int], None]  # (request_id, token, flags)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request from admission to its LAST result."""
+
+    request: Request
+    order: int  # arrival order: the oldest has the smallest
+    context: list[int]  # prompt + generated tokens
+    prompt_len: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    generator: Any = None  # torch.Generator when sampled
+    seq: int | None = None  # the backend's sequence while admitted
+    fed: int = 0  # context tokens in the sequence's KV cache
+
+    @property
+    def rid(self) -> int:
+        return self.request.request_id
+
+    @property
+    def produced(self) -> int:
+        return len(self.context) - self.prompt_len
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start. host_ns: time in step() outside backend.step (admission, row building,
+    sampling, results); backend_ns: time inside it."""
+
+    steps: int = 0
+    rows: int = 0
+    host_ns: int = 0
+    backend_ns: int = 0
+    preemptions: int = 0
+    last_host_ns: int = 0
+    last_backend_ns: int = 0
+
+
+class Scheduler:
+    def __init__(self, backend: BatchBackend, emit: Emit, *, eos: frozenset[int], vocab: int, max_batch: int = 8,
+                 prefill_chunk: int = 64, log: Callable[[str], None] = lambda msg: None):
+        self.backend, self.emit, self.eos, self.vocab, self.log = backend, emit, eos, vocab, log
+        self.max_batch = max(1, min(max_batch, getattr(backend, "max_seqs", max_batch)))
+        self.prefill_chunk = max(1, min(prefill_chunk, backend.max_rows))
+        self.budget_tokens = backend.pages_total * backend.page_size
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.running: list[Job] = []  # admission order
+        self.stats = SchedulerStats()
+        self._order = 0
+        self.served = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- requests
+
+    def submit(self, r: Request) -> None:
+        """Queues `r`, or answers it at once when it cannot run (a one-line reason goes to the log)."""
+        prompt = [int(t) for t in r.tokens]
+        n, max_seq = len(prompt), self.backend.max_seq
+        code, why = None, ""
+        if not prompt:
+            code, why = EngineError.BAD_REQUEST, "empty prompt"
+        elif any(not 0 <= t < self.vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self.vocab)
+            code, why = EngineError.BAD_REQUEST, f"token id {bad} is outside the vocabulary (0..{self.vocab - 1})"
+        elif n + max(r.max_tokens, 1) - 1 > max_seq:
+            code, why = EngineError.BAD_REQUEST, (f"prompt ({n}) + max_tokens ({r.max_tokens}) exceed the bundle's "
+                                                  f"max_seq={max_seq}")
+        elif pages_for(n, self.backend.page_size) > self.backend.pages_total:
+            code, why = EngineError.KV_BUDGET, (f"prompt ({n} tokens) exceeds the whole KV budget "
+                                                f"({self.backend.pages_total} pages of {self.backend.page_size})")
+        if code is not None:
+            self.log(f"request {r.request_id}: {why}")
+            self.emit(r.request_id, int(code), ResultFlag.ERROR | ResultFlag.LAST)
+            return
+        if r.max_tokens < 1:
+            self.emit(r.request_id, 0, ResultFlag.LAST)
+            return
+        # The whole budget must hold the request alone (the last token needs no cache row): clip
+        # max_tokens like the ingress clips it to max_seq; the reply ends as at max_tokens.
+        max_tokens = min(r.max_tokens, self.budget_tokens - n + 1)
+        # top_p 0 keeps only the most likely token: greedy (a nucleus of no mass would be empty).
+        temperature = r.temperature if r.top_p > 0.0 else 0.0
+        gen = None
+        if temperature > 0.0:  # torch only when sampling: a greedy engine never imports it
+            import torch
+
+            gen = torch.Generator().manual_seed(int(r.seed))
+        self._order += 1
+        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen))
+
+    def cancel(self, request_id: int) -> bool:
+        """Stops the request (its sequence and pages are freed now); False if it is not here."""
+        for job in self.running:
+            if job.rid == request_id:
+                self._retire(job)
+                self.emit(request_id, int(EngineError.CANCELLED), ResultFlag.ERROR | ResultFlag.LAST)
+                return True
+        for job in self.waiting:
+            if job.rid == request_id:
+                self.waiting.remove(job)
+                self.emit(request_id, int(EngineError.CANCELLED), ResultFlag.ERROR | ResultFlag.LAST)
+                return True
+        return False
+
+    # -- one step
+
+    def step(self) -> bool:
+        """One batched step; False when there was nothing to run."""
+        t0 = time.perf_counter_ns()
+        self._admit()
+        rows, jobs, want = self._build()
+        if not rows:
+            return False
+        backend_ns = 0
+        while True:
+            tb = time.perf_counter_ns()
+            try:
+                logits = self.backend.step(rows, want)
+                backend_ns += time.perf_counter_ns() - tb
+                break
+            except OutOfPages:
+                backend_ns += time.perf_counter_ns() - tb
+                if len(self.running) == 1:  # cannot happen with max_tokens clipped to the budget
+                    self._fail(self.running[0], EngineError.INTERNAL, "out of KV pages while alone")
+                    return True
+                self._preempt(max(self.running, key=lambda j: j.order))
+                rows, jobs, want = self._build()
+                if not rows:
+                    return True
+            except Exception as e:  # an executor failure: these rows' requests end, the engine goes on
+                backend_ns += time.perf_counter_ns() - tb
+                for job in jobs:
+                    self._fail(job, EngineError.INTERNAL, f"{type(e).__name__}: {e}")
+                return True
+        for job, (_, ids), lg in zip(jobs, rows, logits, strict=True):
+            job.fed += len(ids)
+            if lg is not None:
+                self._produce(job, lg)
+        st = self.stats
+        st.steps += 1
+        st.rows += sum(len(ids) for _, ids in rows)
+        st.last_backend_ns = backend_ns
+        st.last_host_ns = time.perf_counter_ns() - t0 - backend_ns
+        st.backend_ns += backend_ns
+        st.host_ns += st.last_host_ns
+        return True
+
+    def _admit(self) -> None:
+        b = self.backend
+        while self.waiting and len(self.running) < self.max_batch:
+            job = self.waiting[0]
+            if self.running:
+                # Pages the running sequences still need for the context they already have, plus
+                # the front request's: admitting beyond that would only be preempted again.
+                owed = sum(pages_for(len(j.context), b.page_size) - pages_for(j.fed, b.page_size)
+                           for j in self.running)
+                if owed + pages_for(len(job.context), b.page_size) > b.pages_free():
+                    return
+            self.waiting.popleft()
+            job.seq, job.fed = b.open(), 0
+            self.running.append(job)
+
+    def _build(self) -> tuple[list[tuple[int, list[int]]], list[Job], list[bool]]:
+        rows: list[tuple[int, list[int]]] = []
+        jobs: list[Job] = []
+        want: list[bool] = []
+        room = self.backend.max_rows
+        for job in self.running:  # decode rows first: every running sequence moves each step
+            if job.produced > 0 and job.fed == len(job.context) - 1 and room > 0:
+                assert job.seq is not None
+                rows.append((job.seq, [job.context[-1]]))
+                jobs.append(job)
+                want.append(True)
+                room -= 1
+        chunk = min(self.prefill_chunk, room)
+        for job in sorted(self.running, key=lambda j: j.order):
+            if chunk <= 0:
+                break
+            if job.produced > 0 and job.fed >= len(job.context) - 1:
+                continue  # decoding
+            assert job.seq is not None
+            ids = job.context[job.fed:job.fed + chunk]
+            rows.append((job.seq, ids))
+            jobs.append(job)
+            want.append(job.fed + len(ids) == len(job.context))
+            chunk -= len(ids)
+        return rows, jobs, want
+
+    def _produce(self, job: Job, logits: np.ndarray) -> None:
+        if job.generator is None:
+            tok = int(np.argmax(logits))  # the first maximum: the lowest id on ties
+        else:
+            import torch
+
+            from zlc.reference.sampling import sample
+
+            tok = sample(torch.from_numpy(logits), job.temperature, job.top_p, job.generator)
+        job.context.append(tok)
+        flags = 0
+        if tok in self.eos:
+            flags |= ResultFlag.EOS
+        if flags or job.produced >= job.max_tokens:
+            flags |= ResultFlag.LAST
+            self._retire(job)
+            self.served += 1
+        self.emit(job.rid, tok, flags)
+
+    def _retire(self, job: Job) -> None:
+        self.running.remove(job)
+        if job.seq is not None:
+            self.backend.close(job.seq)
+            job.seq = None
+
+    def _preempt(self, job: Job) -> None:
+        """Frees `job`'s pages; it goes back to the front of the queue and recomputes its context."""
+        self._retire(job)
+        job.fed = 0
+        self.waiting.appendleft(job)
+        self.stats.preemptions += 1
+
+    def _fail(self, job: Job, code: EngineError, why: str) -> None:
+        self.log(f"request {job.rid}: {why}")
+        self._retire(job)
+        self.emit(job.rid, int(code), ResultFlag.ERROR | ResultFlag.LAST)
+
+    def close(self) -> None:
+        """Ends every sequence (the engine is stopping)."""
+        for job in list(self.running):
+            self._retire(job)

@@ -1,0 +1,143 @@
+"""Continuous batching through the real server: `zlc serve` processes on the reference executor
+(SequentialBatch), real HTTP clients on threads (streaming OpenAI chat, read as SSE off the socket).
+Oracle: each stream's text is the one its prompt gets alone (Bundle.generate, greedy)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serve_helpers import engine_pid, metric, wait_for
+
+MODEL = "llama-chat"
+WORDS = ["rings", "kernels", "caches", "sockets", "frames", "tokens", "queues", "fences"]
+PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate(WORDS)]  # 48 tokens each, chat template in
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def bundle(chat_bundle: Path) -> Any:
+    import zlc
+
+    return zlc.load(chat_bundle)
+
+
+def alone_texts(bundle: Any, n: int, prompts: list[str] = PROMPTS) -> dict[str, str]:
+    tok = bundle.tokenizer
+    return {p: tok.decode(bundle.generate(tok.encode_chat(p), n, device="reference", eos=bundle.eos_token_ids))
+            for p in prompts}
+
+
+@pytest.fixture(scope="module")
+def alone(bundle: Any) -> dict[str, str]:
+    return alone_texts(bundle, MAX_TOKENS)
+
+
+def chat(server: Any, prompt: str, max_tokens: int = MAX_TOKENS, hang_up_after: int | None = None) -> tuple[int, str]:
+    """(status, the streamed text or the error body). `hang_up_after`: close the connection after
+    that many content events (a client going away mid-stream)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    body = json.dumps({"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "messages": [{"role": "user", "content": prompt}]})
+    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        text = r.read().decode()
+        conn.close()
+        return r.status, text
+    text, events = "", 0
+    while line := r.readline():
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices"):
+            text += chunk["choices"][0]["delta"].get("content") or ""
+            events += 1
+            if hang_up_after is not None and events >= hang_up_after:
+                break
+    r.close()  # the response holds the socket too: both go for the peer to see the close
+    conn.close()
+    return r.status, text
+
+
+def run_together(server: Any, prompts: list[str], **kw: Any) -> list[tuple[int, str]]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: chat(server, p, **kw), prompts))
+
+
+def all_pages_back(server: Any) -> bool:
+    return (metric(server, "zlc_engine_running") == 0
+            and metric(server, "zlc_engine_pages_free") == metric(server, "zlc_engine_pages_total") > 0)
+
+
+@pytest.fixture(scope="module")
+def batch_server(chat_bundle: Path, server_process: Any) -> Any:
+    s = server_process(chat_bundle, "--device", "reference", "--max-batch", "4", "--prefill-chunk", "32")
+    yield s
+    s.stop()
+
+
+def test_concurrent_streams_each_get_their_solo_text(batch_server: Any, alone: dict[str, str]) -> None:
+    got = run_together(batch_server, PROMPTS)
+    assert got == [(200, alone[p]) for p in PROMPTS]
+    steps = metric(batch_server, "zlc_engine_steps")
+    rows = metric(batch_server, "zlc_engine_rows")
+    assert 0 < steps < rows  # steps carried several rows
+    assert metric(batch_server, "zlc_engine_host_seconds") > 0 and metric(batch_server, "zlc_engine_backend_seconds") > 0
+    wait_for("all sequences closed", lambda: all_pages_back(batch_server), timeout=10)
+
+
+def test_a_client_hanging_up_mid_batch_frees_its_sequence(batch_server: Any, alone: dict[str, str]) -> None:
+    """One long stream is dropped after its first tokens; its sequence is closed (running drops to
+    0 and every page is back once the others end) and the others finish with their solo text."""
+    cancelled = metric(batch_server, "zlc_requests_total", outcome="cancelled")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        quitter = pool.submit(chat, batch_server, PROMPTS[0], 80, 2)
+        others = [pool.submit(chat, batch_server, p) for p in PROMPTS[1:4]]
+        assert quitter.result()[0] == 200
+        assert [f.result() for f in others] == [(200, alone[p]) for p in PROMPTS[1:4]]
+    wait_for("the dropped stream's cancel", lambda: metric(batch_server, "zlc_requests_total", outcome="cancelled")
+             == cancelled + 1, timeout=10)
+    wait_for("all sequences closed", lambda: all_pages_back(batch_server), timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_budget_server(chat_bundle: Path, server_process: Any) -> Any:
+    # 7 pages of 16: two 48-token prompts are admitted (3 pages each, the third must wait), and
+    # answers of 40 tokens take 6 pages each: the younger is preempted and recomputed later.
+    s = server_process(chat_bundle, "--device", "reference", "--max-batch", "4", "--kv-pages", "7")
+    yield s
+    s.stop()
+
+
+def test_preemption_under_a_tiny_page_budget_keeps_the_text(tiny_budget_server: Any, bundle: Any) -> None:
+    alone = alone_texts(bundle, 40, PROMPTS[:4])
+    pid = engine_pid(tiny_budget_server)
+    os.kill(pid, signal.SIGSTOP)  # held until all four are in the ring: they arrive at one step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(chat, tiny_budget_server, p, 40) for p in PROMPTS[:4]]
+            wait_for("the 4 submitted", lambda: metric(tiny_budget_server, "zlc_queue_depth") == 4, timeout=30)
+            os.kill(pid, signal.SIGCONT)
+            got = [f.result() for f in futures]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == [(200, alone[p]) for p in PROMPTS[:4]]
+    assert metric(tiny_budget_server, "zlc_engine_preemptions") > 0
+    wait_for("all pages back", lambda: all_pages_back(tiny_budget_server), timeout=10)
+
+
+def test_a_prompt_beyond_the_kv_budget_is_a_400_naming_it(tiny_budget_server: Any, bundle: Any) -> None:
+    words = "history"
+    while len(bundle.tokenizer.encode_chat(words)) <= 7 * 16:
+        words += " history"
+    assert len(bundle.tokenizer.encode_chat(words)) <= bundle.max_seq  # within max_seq: the budget refuses it
+    status, body = chat(tiny_budget_server, words, max_tokens=4)
+    assert status == 400, body
+    assert "--kv-pages 7" in json.loads(body)["error"]["message"]
