@@ -116,7 +116,8 @@ def _verify(b: Build) -> None:
     megakernel_fit(b.lowered.decode, b.max_seq).check(b.name)
     if not b.verify:
         return
-    b.report("verify", "against ONNX Runtime" if isinstance(b.model, (str, Path)) else "against the module")
+    b.report("verify", ("against its imported graph" if _is_gguf(b.model) else "against ONNX Runtime")
+             if isinstance(b.model, (str, Path)) else "against the module")
     b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
         raise VerificationError(f"{b.name}: lowered model differs from its reference "
@@ -318,6 +319,8 @@ def _tokenizer(b: Build) -> None:
 
     b.report("tokenizer", str(b.tokenizer))
     cfg = bundle_tokenizer(b.tokenizer, b.tmp / "tokenizer")
+    if cfg.get("chat_template_default"):
+        b.report("tokenizer", "the GGUF has no chat template: using the default ChatML template")
     b.tokenizer_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
                         "eos_token_ids": cfg.get("eos_token_ids", [])}
 
@@ -415,7 +418,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
             debug_waits: bool = False, stop_after: str | None = None) -> CompileResult:
-    """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
+    """Compiles `model` (an .onnx or .gguf path, or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
@@ -429,6 +432,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
+    if tokenizer is None and _is_gguf(model):  # a GGUF file carries its tokenizer and chat template
+        tokenizer = Path(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
     tmp = outdir.with_name(outdir.name + ".partial")
@@ -462,6 +467,12 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     return CompileResult(outdir, b.manifest, secs, b)
 
 
+def _is_gguf(model: Any) -> bool:
+    from zlc.frontend.gguf_file import is_gguf
+
+    return isinstance(model, (str, Path)) and is_gguf(model)
+
+
 def _targets(names: Sequence[str]) -> list[Target]:
     if isinstance(names, str):
         names = [names]
@@ -487,7 +498,7 @@ def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: fl
     """The lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
     else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
     prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
-    if isinstance(model, (str, Path)) and Path(model).is_file():
+    if isinstance(model, (str, Path)) and Path(model).is_file():  # ONNX Runtime; GGUF: its imported graph
         from .verifier import verify
 
         rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
