@@ -319,10 +319,10 @@ def _tokenizer(b: Build) -> None:
 
     b.report("tokenizer", str(b.tokenizer))
     cfg = bundle_tokenizer(b.tokenizer, b.tmp / "tokenizer")
-    if cfg.get("chat_template_default"):
-        b.report("tokenizer", "the GGUF has no chat template: using the default ChatML template")
     b.tokenizer_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
                         "eos_token_ids": cfg.get("eos_token_ids", [])}
+    if cfg.get("chat_template_default"):  # a GGUF without one (print_bundle says so in one line)
+        b.tokenizer_info["chat_template_default"] = True
 
 
 def _ebpf(b: Build) -> None:
@@ -432,7 +432,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
-    if tokenizer is None and _is_gguf(model):  # a GGUF file carries its tokenizer and chat template
+    if tokenizer is None and _is_gguf(model) and gguf_has_tokenizer(model):  # and its chat template
         tokenizer = Path(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
@@ -471,6 +471,12 @@ def _is_gguf(model: Any) -> bool:
     from zlc.frontend.gguf_file import is_gguf
 
     return isinstance(model, (str, Path)) and is_gguf(model)
+
+
+def gguf_has_tokenizer(path: str | Path) -> bool:
+    from zlc.frontend.gguf_file import GgufFile
+
+    return GgufFile(path).has("tokenizer.ggml.model")
 
 
 def _targets(names: Sequence[str]) -> list[Target]:

@@ -230,6 +230,8 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
               f"max_seq {m['max_seq']}, weights {man['dtype']['weights']} (f32 math)")
     vs = ver.get("status", "skipped")
     out.print(f"verification: {vs}" + (f" ({escape(ver['summary'])})" if ver.get("summary") else ""))
+    if (man.get("tokenizer") or {}).get("chat_template_default"):
+        out.print("tokenizer: the GGUF has no chat template; using the default ChatML template")
     for key, tl in man["tilings"].items():
         sm = tl["summary"]
         by = ", ".join(f"{k} {v}" for k, v in sm["tasks_by_op"]["decode"].items())

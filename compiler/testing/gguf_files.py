@@ -51,13 +51,18 @@ def byte_tokens(vocab: int) -> list[str]:
 
 
 def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None,
-                     tokenizer: bool = False, chat_template: str | None = None) -> Path:
+                     tokenizer: bool = False, chat_template: str | None = None,
+                     config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None) -> Path:
     """Writes `model` (a Hugging Face LlamaForCausalLM) to `path` as llama.cpp's converter does.
     `qtype` (a GGMLQuantizationType): every 2-D weight in that block format (quantize_model makes
-    the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids."""
+    the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids.
+    For bad-input tests: `config` overrides config fields in the metadata only (the tensors stay
+    the model's), `raw_types` writes the named tensors as zero bytes of another block format."""
+    from types import SimpleNamespace
+
     import gguf
 
-    cfg: Any = model.config
+    cfg: Any = SimpleNamespace(**{**model.config.to_dict(), **(config or {})})
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -69,8 +74,8 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
-                         else float(cfg.rope_theta))
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if tokenizer:
@@ -94,7 +99,11 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if qtype is not None and a.ndim == 2:
+        if raw_types and name in raw_types:
+            block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
+            w.add_tensor(name, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
+                         raw_dtype=raw_types[name])
+        elif qtype is not None and a.ndim == 2:
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
@@ -103,10 +112,10 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
             a = sd[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":
-                a = permute_qk(a, heads)
+            if gg == "attn_q":  # by the model's own head counts, whatever the metadata says
+                a = permute_qk(a, model.config.num_attention_heads)
             elif gg == "attn_k":
-                a = permute_qk(a, kv_heads)
+                a = permute_qk(a, model.config.num_key_value_heads)
             add(f"blk.{i}.{gg}.weight", a)
     add("output_norm.weight", sd["model.norm.weight"])
     if not tied:
