@@ -35,6 +35,7 @@ import numpy as np
 from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
+from .frontend.gguf_file import gguf_tokenizer, is_gguf
 from .ir import DType
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
@@ -116,7 +117,7 @@ def _verify(b: Build) -> None:
     megakernel_fit(b.lowered.decode, b.max_seq).check(b.name)
     if not b.verify:
         return
-    b.report("verify", ("against its imported graph" if _is_gguf(b.model) else "against ONNX Runtime")
+    b.report("verify", ("against its imported graph" if is_gguf(b.model) else "against ONNX Runtime")
              if isinstance(b.model, (str, Path)) else "against the module")
     b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
@@ -432,8 +433,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
-    if tokenizer is None and _is_gguf(model) and gguf_has_tokenizer(model):  # and its chat template
-        tokenizer = Path(model)
+    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template
+        tokenizer = gguf_tokenizer(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
     tmp = outdir.with_name(outdir.name + ".partial")
@@ -465,18 +466,6 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     tmp.rename(outdir)
     secs["total"] = time.perf_counter() - t0
     return CompileResult(outdir, b.manifest, secs, b)
-
-
-def _is_gguf(model: Any) -> bool:
-    from zlc.frontend.gguf_file import is_gguf
-
-    return isinstance(model, (str, Path)) and is_gguf(model)
-
-
-def gguf_has_tokenizer(path: str | Path) -> bool:
-    from zlc.frontend.gguf_file import GgufFile
-
-    return GgufFile(path).has("tokenizer.ggml.model")
 
 
 def _targets(names: Sequence[str]) -> list[Target]:

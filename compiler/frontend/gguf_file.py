@@ -8,6 +8,7 @@ is one ModelFormatError line naming the file and the field or tensor.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ from zlc.errors import ModelFormatError
 GGUF_MAGIC = b"GGUF"
 
 
-def is_gguf(path: str | Path) -> bool:
-    """Whether `path` is a file that starts with the GGUF magic (any suffix)."""
+def is_gguf(path: Any) -> bool:
+    """Whether `path` (any object) names a file that starts with the GGUF magic (any suffix)."""
+    if not isinstance(path, (str, Path)):
+        return False
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -28,16 +31,32 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int) -> Any:
+    """GGUFReader of a file version, kept: parsing a real vocabulary's metadata (49k tokens and
+    merges, one numpy view per string) takes seconds, and a compile opens the file several times
+    (import, verify's import, the tokenizer check). The reader is a read-only memory map."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_tokenizer(model: Any) -> Path | None:
+    """`model` itself when it is a GGUF file with a tokenizer (what `zlc compile` bundles), else None."""
+    return Path(model) if is_gguf(model) and GgufFile(model).has("tokenizer.ggml.model") else None
+
+
 class GgufFile:
     """One GGUF file: `meta(key)` for metadata, `weight(name)` for a tensor as float32."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         self.name = self.path.name
         try:
-            self.reader = GGUFReader(self.path)
+            st = self.path.stat()
+            self.reader = _reader(str(self.path.resolve()), st.st_mtime_ns, st.st_size)
+        except OSError as e:
+            raise ModelFormatError(f"{self.name}: cannot read ({e.strerror or e})") from None
         except Exception as e:  # gguf raises ValueError/IndexError/struct errors on a damaged file
             why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelFormatError(f"{self.name}: not a readable GGUF file (truncated or corrupt: {why})") from None

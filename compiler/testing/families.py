@@ -343,6 +343,11 @@ def save_chat_tokenizer(out_dir: str | os.PathLike[str]) -> Path:
     return out
 
 
+def byte_alphabet() -> list[str]:
+    """The 256 ByteLevel symbols in byte order: ids 0..255 of the byte-level chat vocabulary."""
+    return sorted(_BYTE_OF, key=lambda ch: _BYTE_OF[ch])
+
+
 def _byte_of() -> dict[str, int]:
     """GPT-2's byte -> printable-character map, inverted (the ByteLevel alphabet's order)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

@@ -41,12 +41,9 @@ def quantize_model(model: torch.nn.Module, qtype: Any) -> None:
 
 def byte_tokens(vocab: int) -> list[str]:
     """A gpt2-style byte-level vocabulary: the 256 byte symbols, ChatML's specials, padding."""
-    from tokenizers import pre_tokenizers
+    from .families import byte_alphabet
 
-    from .families import _BYTE_OF
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _BYTE_OF[ch])
-    toks = alphabet + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    toks = byte_alphabet() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     return toks + [f"<pad{i}>" for i in range(vocab - len(toks))]
 
 
@@ -62,7 +59,8 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
 
     import gguf
 
-    cfg: Any = SimpleNamespace(**{**model.config.to_dict(), **(config or {})})
+    own: Any = model.config
+    cfg: Any = SimpleNamespace(**{**own.to_dict(), **(config or {})})
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -113,9 +111,9 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
         for hf, gg in names.items():
             a = sd[f"model.layers.{i}.{hf}.weight"]
             if gg == "attn_q":  # by the model's own head counts, whatever the metadata says
-                a = permute_qk(a, model.config.num_attention_heads)
+                a = permute_qk(a, own.num_attention_heads)
             elif gg == "attn_k":
-                a = permute_qk(a, model.config.num_key_value_heads)
+                a = permute_qk(a, own.num_key_value_heads)
             add(f"blk.{i}.{gg}.weight", a)
     add("output_norm.weight", sd["model.norm.weight"])
     if not tied:
