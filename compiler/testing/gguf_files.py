@@ -50,7 +50,8 @@ def byte_tokens(vocab: int) -> list[str]:
 def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None,
                      tokenizer: bool = False, chat_template: str | None = None,
                      config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None) -> Path:
-    """Writes `model` (a Hugging Face LlamaForCausalLM) to `path` as llama.cpp's converter does.
+    """Writes `model` (a Hugging Face Llama, Qwen2 or Qwen3 causal LM) to `path` as llama.cpp's
+    converter does.
     `qtype` (a GGMLQuantizationType): every 2-D weight in that block format (quantize_model makes
     the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids.
     For bad-input tests: `config` overrides config fields in the metadata only (the tensors stay
@@ -64,7 +65,8 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     path = Path(path)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = own.model_type  # llama, qwen2, qwen3: llama.cpp permutes only llama's Q/K rows
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -91,7 +93,8 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
         w.add_chat_template(chat_template)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
 
@@ -109,12 +112,13 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
-            a = sd[f"model.layers.{i}.{hf}.weight"]
-            if gg == "attn_q":  # by the model's own head counts, whatever the metadata says
-                a = permute_qk(a, own.num_attention_heads)
-            elif gg == "attn_k":
-                a = permute_qk(a, own.num_key_value_heads)
-            add(f"blk.{i}.{gg}.weight", a)
+            for kind in ("weight", "bias"):
+                a = sd.get(f"model.layers.{i}.{hf}.{kind}")
+                if a is None:
+                    continue
+                if arch == "llama" and gg in ("attn_q", "attn_k"):  # by the model's own head counts
+                    a = permute_qk(a, own.num_attention_heads if gg == "attn_q" else own.num_key_value_heads)
+                add(f"blk.{i}.{gg}.{kind}", a)
     add("output_norm.weight", sd["model.norm.weight"])
     if not tied:
         add("output.weight", sd["lm_head.weight"])

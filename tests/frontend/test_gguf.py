@@ -71,6 +71,18 @@ def test_llama_matches_hugging_face(tmp_path: Path) -> None:
     assert "output.weight" in g.consts and not g.metadata.get("tied_embeddings")
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_matches_hugging_face(tmp_path: Path, family: str) -> None:
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms; neither is permuted by llama.cpp."""
+    m = hf_model(family)
+    path = write_llama_gguf(m, tmp_path / f"{family}.gguf")
+    ops = import_gguf(path, 64).op_histogram()
+    assert ops["RMSNorm"] == 2 * 2 + 1 + (4 if family == "qwen3" else 0)
+    got, logits = zlc_greedy(path, PROMPT, NEW)
+    assert got == hf_greedy(m, PROMPT, NEW)
+    np.testing.assert_allclose(logits, hf_logits(m, PROMPT), atol=1e-4, rtol=1e-4)
+
+
 def test_tied_embeddings_without_output_weight(tmp_path: Path) -> None:
     m = hf_model("llama")
     m.lm_head.weight = m.model.embed_tokens.weight
