@@ -141,8 +141,12 @@ def test_tokenizer_and_default_chat_template_from_the_file(chat_gguf_bundle: tup
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_verify_and_inspect_read_gguf(tmp_path: Path) -> None:
-    path = write_llama_gguf(hf_model("llama"), tmp_path / "llama.gguf")
+def test_verify_inspect_and_run_read_gguf(tmp_path: Path) -> None:
+    m = hf_model("llama")
+    path = write_llama_gguf(m, tmp_path / "llama.gguf")
+    res = cli("run", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["generated"] == hf_greedy(m, PROMPT, 4)
     res = cli("verify", path, "--steps", "4")
     assert res.exit_code == 0, res.output
     assert "imported GGUF graph" in res.output
