@@ -36,8 +36,11 @@ def _reader(path: str, mtime_ns: int, size: int) -> Any:
     """GGUFReader of a file version, kept: parsing a real vocabulary's metadata (49k tokens and
     merges, one numpy view per string) takes seconds, and a compile opens the file several times
     (import, verify's import, the tokenizer check). The reader is a read-only memory map."""
-    from gguf import GGUFReader
-
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ModelFormatError(f"{Path(path).name}: reading a GGUF file needs the gguf package "
+                               "(pip install 'zlc[hf]')") from None
     return GGUFReader(path)
 
 
@@ -57,6 +60,8 @@ class GgufFile:
             self.reader = _reader(str(self.path.resolve()), st.st_mtime_ns, st.st_size)
         except OSError as e:
             raise ModelFormatError(f"{self.name}: cannot read ({e.strerror or e})") from None
+        except ModelFormatError:
+            raise
         except Exception as e:  # gguf raises ValueError/IndexError/struct errors on a damaged file
             why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelFormatError(f"{self.name}: not a readable GGUF file (truncated or corrupt: {why})") from None
