@@ -1,4 +1,4 @@
-"""Tiny GGUF files of the Gemma (1, 2, 3) and Phi-3 zoo families, written as llama.cpp's
+"""Tiny GGUF files of the Qwen2, Qwen3, Gemma (1, 2, 3) and Phi-3 zoo families, written as llama.cpp's
 convert_hf_to_gguf.py writes them: Gemma's RMSNorm gains stored as 1 + w, its post-norms under
 llama.cpp's names, soft-capping and the sliding window in the metadata; Phi-3's fused `attn_qkv`
 and `ffn_up` ([gate; up]) kept fused. What llama.cpp does not write (Gemma 2's layer pattern,
@@ -19,12 +19,13 @@ if TYPE_CHECKING:
     import torch
 
 #: Hugging Face model_type -> GGUF architecture.
-GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 _LLAMA_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                 "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
                 "post_attention_layernorm": "ffn_norm"}
+_QWEN3_NAMES = {**_LLAMA_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _SANDWICH_NAMES = {**_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
                    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
@@ -41,7 +42,7 @@ def rope_theta(cfg: Any, kind: str = "full_attention") -> float:
 
 
 def write_family_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None) -> Path:
-    """Writes `model` (a Gemma, Gemma 2, Gemma 3 or Phi-3 causal LM whose vocabulary holds
+    """Writes `model` (a Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 or Phi-3 causal LM whose vocabulary holds
     byte_tokens) to `path` with a byte-level gpt2 tokenizer; `qtype`: every 2-D weight in that
     GGUF block format (gguf_files.quantize_model makes the matching reference)."""
     import gguf
@@ -83,7 +84,8 @@ def write_family_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = 
     w.add_add_bos_token(False)
 
     gemma = arch.startswith("gemma")
-    names = _PHI3_NAMES if arch == "phi3" else _SANDWICH_NAMES if arch in ("gemma2", "gemma3") else _LLAMA_NAMES
+    names = {"phi3": _PHI3_NAMES, "qwen3": _QWEN3_NAMES, "gemma2": _SANDWICH_NAMES,
+             "gemma3": _SANDWICH_NAMES}.get(arch, _LLAMA_NAMES)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
     def add(name: str, a: np.ndarray) -> None:
@@ -98,9 +100,10 @@ def write_family_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
-            key = f"model.layers.{i}.{hf}.weight"
-            if key in sd:
-                add(f"blk.{i}.{gg}.weight", sd[key])
+            for kind in ("weight", "bias"):  # Qwen2's q/k/v biases
+                key = f"model.layers.{i}.{hf}.{kind}"
+                if key in sd:
+                    add(f"blk.{i}.{gg}.{kind}", sd[key])
     add("output_norm.weight", sd["model.norm.weight"])
     if not getattr(cfg, "tie_word_embeddings", False):
         add("output.weight", sd["lm_head.weight"])

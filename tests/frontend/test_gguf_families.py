@@ -1,4 +1,4 @@
-"""The GGUF frontend on the Gemma (1, 2, 3) and Phi-3 architectures: tiny random Hugging Face
+"""The GGUF frontend on the Qwen2, Qwen3, Gemma (1, 2, 3) and Phi-3 architectures: tiny random Hugging Face
 models written as llama.cpp's converter writes them (zlc.testing.gguf_families), lowered from the
 GGUF file alone. Oracle: Hugging Face `generate` on the same weights (dequantized, for the Q8_0
 file) against zlc's reference session over the synthesized KV cache, and for Gemma 3 (local and
@@ -24,6 +24,8 @@ NEW_TOKENS = 8
 SEQ = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
 #: zoo family -> what it exercises through the GGUF route
 CASES = {
+    "qwen2": "q/k/v biases, unpermuted rows",
+    "qwen3": "per-head q/k norms (gains as stored: no 1 + w)",
     "gemma": "embedding scale, (1 + w) gains stored by the converter, GELU-tanh MLP, tied head",
     "gemma2": "sandwich norms, window 4 on layer 0 (llama.cpp's default pattern), both soft-caps",
     "gemma3": "q/k norms, the local layer's rope base 10000 by default, the listed layer pattern",
