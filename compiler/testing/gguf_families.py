@@ -63,6 +63,11 @@ def write_family_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = 
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(rope_theta(cfg))
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    full = rp.get("full_attention", rp)
+    if full.get("rope_type") == "linear":  # Gemma 3 4B+: the global layers' positions / factor
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
     w.add_rope_dimension_count(int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0)))
     w.add_vocab_size(cfg.vocab_size)
     if getattr(cfg, "sliding_window", None):

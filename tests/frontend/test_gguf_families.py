@@ -33,17 +33,17 @@ CASES = {
 }
 
 
-def _model(family: str) -> Any:
+def _model(family: str, **overrides: Any) -> Any:
     import torch
 
-    model = hf_model(family, vocab_size=CHAT_VOCAB)
+    model = hf_model(family, vocab_size=CHAT_VOCAB, **overrides)
     if family.startswith("gemma"):  # Gemma scales embeddings by sqrt(hidden) = 8: the zoo's N(0, 1/8)
         with torch.no_grad():  # table would drown every layer and the tied head echo the last token
             model.model.embed_tokens.weight.mul_(0.125)
     return model
 
 
-def _write(family: str, path: Path, qtype: Any = None) -> tuple[Path, list[int]]:
+def _write(family: str, path: Path, qtype: Any = None, **overrides: Any) -> tuple[Path, list[int]]:
     """The family's GGUF at `path` and Hugging Face's greedy tokens on the same weights (the
     logits of SEQ are saved beside it, `path`.npy)."""
     import numpy as np
@@ -52,7 +52,7 @@ def _write(family: str, path: Path, qtype: Any = None) -> tuple[Path, list[int]]
     from zlc.testing.gguf_families import write_family_gguf
     from zlc.testing.gguf_files import quantize_model
 
-    model = _model(family)
+    model = _model(family, **overrides)
     if qtype is not None:
         quantize_model(model, qtype)
     write_family_gguf(model, path, qtype=qtype)
@@ -87,6 +87,15 @@ def test_q8_0_gemma2_equals_hugging_face_on_the_dequantized_weights(tmp_path: Pa
     from gguf import GGMLQuantizationType
 
     path, expect = _write("gemma2", tmp_path / "gemma2-q8.gguf", GGMLQuantizationType.Q8_0)
+    assert _reference_tokens(path) == expect
+
+
+def test_gemma3_linear_rope_scaling_is_on_its_global_layers_only(tmp_path: Path) -> None:
+    """Gemma 3 4B+ scale the global layers' positions by 1/8 (`rope.scaling.type` linear); the
+    local layers keep base 10000 unscaled, as llama.cpp and Hugging Face do."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    path, expect = _write("gemma3", tmp_path / "gemma3-linear.gguf", rope_parameters=rope)
     assert _reference_tokens(path) == expect
 
 
