@@ -90,6 +90,12 @@ def test_q8_0_gemma2_equals_hugging_face_on_the_dequantized_weights(tmp_path: Pa
     assert _reference_tokens(path) == expect
 
 
+def test_phi3_sliding_window_is_on_every_layer(tmp_path: Path) -> None:
+    """Phi-3-mini's window (2047 there, 4 here): llama.cpp windows every phi3 layer, as HF does."""
+    path, expect = _write("phi3", tmp_path / "phi3-win.gguf", sliding_window=4)
+    assert _reference_tokens(path) == expect
+
+
 def test_gemma3_linear_rope_scaling_is_on_its_global_layers_only(tmp_path: Path) -> None:
     """Gemma 3 4B+ scale the global layers' positions by 1/8 (`rope.scaling.type` linear); the
     local layers keep base 10000 unscaled, as llama.cpp and Hugging Face do."""
