@@ -35,6 +35,7 @@ import numpy as np
 from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
+from .frontend.gguf_file import gguf_tokenizer, is_gguf
 from .ir import DType
 from .passes.quantize import quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
@@ -119,7 +120,8 @@ def _verify(b: Build) -> None:
     megakernel_fit(b.lowered.decode, b.max_seq).check(b.name)
     if not b.verify:
         return
-    b.report("verify", "against ONNX Runtime" if isinstance(b.model, (str, Path)) else "against the module")
+    b.report("verify", ("against its imported graph" if is_gguf(b.model) else "against ONNX Runtime")
+             if isinstance(b.model, (str, Path)) else "against the module")
     b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
         raise VerificationError(f"{b.name}: lowered model differs from its reference "
@@ -328,6 +330,8 @@ def _tokenizer(b: Build) -> None:
     cfg = bundle_tokenizer(b.tokenizer, b.tmp / "tokenizer")
     b.tokenizer_info = {"dir": "tokenizer", "chat_template": cfg.get("chat_template") is not None,
                         "eos_token_ids": cfg.get("eos_token_ids", [])}
+    if cfg.get("chat_template_default"):  # a GGUF without one (print_bundle says so in one line)
+        b.tokenizer_info["chat_template_default"] = True
 
 
 def _ebpf(b: Build) -> None:
@@ -425,7 +429,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
             debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None) -> CompileResult:
-    """Compiles `model` (an .onnx path or a torch.nn.Module with example_inputs) into a bundle
+    """Compiles `model` (an .onnx or .gguf path, or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
@@ -441,6 +445,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     qfmt = scheme_for(quantize, [t.name for t in tgs if t.is_gpu])
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
+    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template
+        tokenizer = gguf_tokenizer(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
     tmp = outdir.with_name(outdir.name + ".partial")
@@ -499,7 +505,7 @@ def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: fl
     """The lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
     else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
     prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
-    if isinstance(model, (str, Path)) and Path(model).is_file():
+    if isinstance(model, (str, Path)) and Path(model).is_file():  # ONNX Runtime; GGUF: its imported graph
         from .verifier import verify
 
         rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)

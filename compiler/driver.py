@@ -137,12 +137,19 @@ class Lowered:
 Observer = Callable[[str, Graph], None]
 
 
-def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None) -> Graph:
-    """An ONNX path/ModelProto, or a torch.nn.Module with example inputs (torch.export)."""
+def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None, *, max_seq: int = 2048) -> Graph:
+    """An ONNX or GGUF path, an ONNX ModelProto, or a torch.nn.Module with example inputs
+    (torch.export). `max_seq`: the positions a GGUF model's rotary tables hold."""
     if isinstance(model, (str, os.PathLike)):
         p = Path(model)
         if p.suffix.lower() not in (".onnx", "") and not p.is_file():
             raise ZlcError(f"model file not found: {p}")
+        from zlc.frontend.gguf_file import is_gguf
+
+        if is_gguf(p):
+            from zlc.frontend.gguf import import_gguf
+
+            return import_gguf(p, max_seq)
         from zlc.frontend.onnx import import_onnx
 
         return import_onnx(p)
@@ -199,7 +206,7 @@ def lower(model: Any, example_inputs: tuple[Any, ...] | None = None, *,
     refused: dict[str, dict[str, int]] = {}
 
     t0 = time.perf_counter()
-    g = load_model(model, example_inputs)
+    g = load_model(model, example_inputs, max_seq=opts.max_seq)
     g.metadata["max_seq"] = opts.max_seq
     stages.append(StageReport("import", time.perf_counter() - t0, len(g.nodes)))
     hist_before = g.op_histogram()

@@ -46,6 +46,9 @@ class NotCompilableError(ZlcError):
 #: activation and the kernel computes it with exact constants: GPT-2 differs by ~1.2e-3.
 DEFAULT_ATOL: dict[str, float] = {"f32": 1e-3, "f16": 2e-2, "bf16": 1e-2}
 ORT = "ONNX Runtime"
+#: A GGUF file's oracle: its imported graph (no KV cache) on the reference executor, each step rerun
+#: over the whole sequence; Hugging Face on the same weights is the tests' oracle (tests/frontend/test_gguf.py).
+GGUF_ORACLE = "zlc reference in f32 on the imported GGUF graph (no KV cache)"
 
 
 def default_atol(dtype: str) -> float:
@@ -208,7 +211,8 @@ def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
 def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None, prompt_len: int = 8,
            steps: int = 32, atol: float | None = None, max_seq: int | None = None, seed: int = 0,
            options: CompileOptions | None = None, observer: Observer | None = None) -> VerifyReport:
-    """Compares zlc against ONNX Runtime on `model` (an .onnx path); for bf16 models (and f16 ones
+    """Compares zlc against ONNX Runtime on `model` (an .onnx path; a GGUF file: against its
+    imported graph without a KV cache, GGUF_ORACLE); for bf16 models (and f16 ones
     ONNX Runtime cannot run), against the imported graph in f32 on the reference executor. `atol`
     defaults by the model's dtype (DEFAULT_ATOL). Raises ZlcError on bad input; the report's `ok`
     says whether it passed. `observer` sees each lowering stage (progress)."""
@@ -237,7 +241,12 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
             if roles.get(v.name) in (PAST_KEY, PAST_VALUE)}
     ref: OrtReference | F32Reference
     oracle = ORT
-    if dtype == "bf16":
+    from zlc.frontend.gguf_file import is_gguf
+
+    if is_gguf(path):  # no ONNX model to run: the imported transformer-level graph, stateless
+        oracle = GGUF_ORACLE
+        ref = F32Reference(seen["import"], path.name)
+    elif dtype == "bf16":
         oracle = "zlc reference in f32 (ONNX Runtime has no bf16 kernels)"
         ref = F32Reference(seen["import"], path.name)
     else:

@@ -226,6 +226,12 @@ def _valid_ids(ids: list[int | None], vocab: int) -> list[int]:
 # GGUF --------------------------------------------------------------------------------------------
 
 _GGUF_MAGIC = b"GGUF"
+#: The chat template of a GGUF file without `tokenizer.chat_template`: ChatML (SmolLM2, Qwen), with
+#: no default system prompt. The bundle's tokenizer_config.json says so (`chat_template_default`).
+DEFAULT_GGUF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 _GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
@@ -346,6 +352,8 @@ def _from_gguf(src: Path) -> tuple[Any, dict[str, Any]]:
     template = _pick_template(getattr(hf, "chat_template", None))
     if template is None:
         template = _pick_template(meta.get("tokenizer.chat_template"))
+    if template is None:  # said in one line by the compile's tokenizer stage (docs/cli.md)
+        template, config["chat_template_default"] = DEFAULT_GGUF_CHAT_TEMPLATE, True
     config["chat_template"] = template
     return tokenizer, config
 

@@ -235,6 +235,8 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
         out.print(f"quantized: {q['format']}, {q['packed']} Linear weights packed ({q['f32_bytes'] / 1e6:.1f} MB f32 -> "
                   f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense; vs unquantized on "
                   f"{q['accuracy']['probes']} probe prompts: {escape(q['accuracy']['summary'])}")
+    if (man.get("tokenizer") or {}).get("chat_template_default"):
+        out.print("tokenizer: the GGUF has no chat template; using the default ChatML template")
     for key, tl in man["tilings"].items():
         sm = tl["summary"]
         by = ", ".join(f"{k} {v}" for k, v in sm["tasks_by_op"]["decode"].items())

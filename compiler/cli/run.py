@@ -44,7 +44,7 @@ from .common import MAX_SEQ, IdList, cli, err_console, progress
 def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
         device: str, threads: int | None, pin: bool, temperature: float, top_p: float, seed: int,
         eos: int | None, max_seq: int | None, as_json: bool) -> None:
-    """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX MODEL and generate with the
+    """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX or GGUF MODEL and generate with the
     CPU reference executor (one IR node at a time: what the compiled model computes, not how fast).
 
     With --prompt the text streams as it is produced; with --prompt-ids the new ids are printed.
@@ -59,7 +59,7 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
         return
     if prompt_ids is None:
         raise click.UsageError("--prompt needs a compiled bundle with a tokenizer (zlc compile --tokenizer); "
-                               "for an ONNX file use --prompt-ids")
+                               "for an ONNX or GGUF file use --prompt-ids")
     if device not in ("auto", "cpu", "reference"):
         raise click.UsageError("an ONNX MODEL runs on the CPU reference executor; compile it for a GPU")
     need = len(prompt_ids) + max_new_tokens

@@ -240,13 +240,14 @@ class KVSpec:
     vocab_size: int
 
 
-def hf_config(family: str) -> Any:
-    """The ``transformers`` config of a zoo family (eager attention)."""
+def hf_config(family: str, **overrides: Any) -> Any:
+    """The ``transformers`` config of a zoo family (eager attention); `overrides` replace its fields
+    (e.g. ``vocab_size=CHAT_VOCAB`` for room for the byte-level chat tokenizer)."""
     from transformers import AutoConfig
 
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
-    kw = dict(FAMILIES[family])
+    kw = {**FAMILIES[family], **overrides}
     experts = kw.pop("experts_implementation", None)
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "eager"
@@ -266,7 +267,7 @@ def kv_spec(family: str) -> KVSpec:
     return KVSpec(cfg.num_hidden_layers, kv, head_dim, cfg.vocab_size)
 
 
-def hf_model(family: str, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+def hf_model(family: str, seed: int = 0, attn_implementation: str = "eager", **overrides: Any) -> torch.nn.Module:
     """A tiny random-weight ``AutoModelForCausalLM`` of ``family`` in eval mode, fp32.
 
     Deterministic in ``seed``; the global torch RNG state is left untouched.
@@ -274,7 +275,7 @@ def hf_model(family: str, seed: int = 0, attn_implementation: str = "eager") -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = hf_config(family)
+    cfg = hf_config(family, **overrides)
     with quiet(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
@@ -341,6 +342,11 @@ def save_chat_tokenizer(out_dir: str | os.PathLike[str]) -> Path:
               "bos_token": None, "add_bos_token": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 ByteLevel symbols in byte order: ids 0..255 of the byte-level chat vocabulary."""
+    return sorted(_BYTE_OF, key=lambda ch: _BYTE_OF[ch])
 
 
 def _byte_of() -> dict[str, int]:

@@ -1,0 +1,129 @@
+"""Tiny GGUF files from the zoo's Hugging Face Llama models, written as llama.cpp's
+convert_hf_to_gguf.py writes them (gguf's GGUFWriter; Q/K rows permuted for llama.cpp's
+interleaved rotary; no `output.weight` when the embeddings are tied), optionally quantized with
+gguf's own quantizer. The GGUF frontend's oracle is then Hugging Face on the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def round_trip(w: np.ndarray, qtype: Any) -> np.ndarray:
+    """`w` as it reads back after gguf's quantizer: dequantize(quantize(w))."""
+    from gguf.quants import dequantize, quantize
+
+    return dequantize(quantize(w, qtype), qtype).reshape(w.shape).astype(np.float32)
+
+
+def quantize_model(model: torch.nn.Module, qtype: Any) -> None:
+    """Replaces every 2-D weight of `model` with its quantize/dequantize round trip (in place): the
+    Hugging Face reference for a GGUF whose matrices are `qtype` (blocks lie along rows, so the
+    Q/K row permutation does not change them)."""
+    import torch
+
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.from_numpy(round_trip(p.numpy(), qtype)))
+
+
+def byte_tokens(vocab: int) -> list[str]:
+    """A gpt2-style byte-level vocabulary: the 256 byte symbols, ChatML's specials, padding."""
+    from .families import byte_alphabet
+
+    toks = byte_alphabet() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return toks + [f"<pad{i}>" for i in range(vocab - len(toks))]
+
+
+def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None,
+                     tokenizer: bool = False, chat_template: str | None = None,
+                     config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None) -> Path:
+    """Writes `model` (a Hugging Face Llama, Qwen2 or Qwen3 causal LM) to `path` as llama.cpp's
+    converter does.
+    `qtype` (a GGMLQuantizationType): every 2-D weight in that block format (quantize_model makes
+    the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids.
+    For bad-input tests: `config` overrides config fields in the metadata only (the tensors stay
+    the model's), `raw_types` writes the named tensors as zero bytes of another block format."""
+    from types import SimpleNamespace
+
+    import gguf
+
+    own: Any = model.config
+    cfg: Any = SimpleNamespace(**{**own.to_dict(), **(config or {})})
+    path = Path(path)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    arch = own.model_type  # llama, qwen2, qwen3: llama.cpp permutes only llama's Q/K rows
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        toks = byte_tokens(cfg.vocab_size)
+        w.add_token_list(toks)
+        w.add_token_types([3 if t.startswith("<|") else (5 if t.startswith("<pad") else 1) for t in toks])
+        w.add_token_scores([0.0] * len(toks))
+        w.add_token_merges([])
+        w.add_bos_token_id(256)
+        w.add_eos_token_id(258)
+        w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+
+    def add(name: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if raw_types and name in raw_types:
+            block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
+            w.add_tensor(name, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
+                         raw_dtype=raw_types[name])
+        elif qtype is not None and a.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            for kind in ("weight", "bias"):
+                a = sd.get(f"model.layers.{i}.{hf}.{kind}")
+                if a is None:
+                    continue
+                if arch == "llama" and gg in ("attn_q", "attn_k"):  # by the model's own head counts
+                    a = permute_qk(a, own.num_attention_heads if gg == "attn_q" else own.num_key_value_heads)
+                add(f"blk.{i}.{gg}.{kind}", a)
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not tied:
+        add("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

