@@ -113,7 +113,7 @@ def _lower(b: Build) -> None:
 
 
 def _verify(b: Build) -> None:
-    from .verifier import megakernel_fit
+    from .verifier import check_lowered, megakernel_fit
 
     assert b.lowered is not None
     # Every op that does not fit the megakernel, named, before the schedule stage meets the first.
@@ -122,7 +122,7 @@ def _verify(b: Build) -> None:
         return
     b.report("verify", ("against its imported graph" if is_gguf(b.model) else "against ONNX Runtime")
              if isinstance(b.model, (str, Path)) else "against the module")
-    b.verification = _check_reference(b.model, b.example_inputs, b.lowered, b.atol)
+    b.verification = check_lowered(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
         raise VerificationError(f"{b.name}: lowered model differs from its reference "
                                 f"({b.verification['summary']}); not compiling it (see `zlc verify`)")
@@ -498,55 +498,6 @@ def _prepare_out(outdir: Path, force: bool) -> None:
         if any(outdir.iterdir()) and not (outdir / "manifest.json").is_file() and not force:
             raise ZlcError(f"output directory {outdir} is not empty and not a zlc bundle; "
                            "choose another -o (or --force to replace it)")
-
-
-def _check_reference(model: Any, example_inputs: Any, lowered: Lowered, atol: float | None,
-                     steps: int = 4) -> dict[str, Any]:
-    """The lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
-    else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
-    prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
-    if isinstance(model, (str, Path)) and Path(model).is_file():  # ONNX Runtime; GGUF: its imported graph
-        from .verifier import verify
-
-        rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
-        return {"status": "passed" if rep.ok else "failed", "ok": rep.ok,
-                "reference": "onnxruntime" if rep.oracle == "ONNX Runtime" else "zlc reference in f32",
-                "oracle": rep.oracle, "atol": rep.atol, "max_abs": rep.max_abs,
-                "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
-    import torch
-
-    from .verifier import default_atol
-
-    if atol is None:
-        atol = default_atol(lowered.graph.outputs[0].dtype.value)
-
-    from zlc.reference.session import ReferenceSession
-
-    if example_inputs is None:
-        return {"status": "skipped", "ok": True, "summary": "no reference"}
-    prompt = [int(i) for i in example_inputs[0][0]]
-    steps = max(0, min(steps, lowered.max_seq - len(prompt)))
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps + 1):  # the module's greedy continuation, one token per call
-            ref = _logits(model(torch.tensor([ids])))[0].float()
-            ids.append(int(ref[-1].argmax()))
-        ids.pop()
-        sess = ReferenceSession.from_lowered(lowered)
-        got = [sess.prefill(prompt).float()] + [sess.step(t).float()[None] for t in ids[len(prompt):]]
-    err = float((ref - torch.cat(got)).abs().max())
-    zlc_tokens = [int(r.argmax()) for r in torch.cat(got)[len(prompt) - 1:]]
-    tokens_equal = zlc_tokens == [int(r.argmax()) for r in ref[len(prompt) - 1:]]
-    ok = err <= atol and tokens_equal
-    return {"status": "passed" if ok else "failed", "ok": ok, "reference": "torch module",
-            "max_abs": err, "tokens_equal": tokens_equal,
-            "summary": f"prefill and {steps} decode steps: max abs {err:.3g} (atol {atol}), greedy tokens "
-                       f"{'equal' if tokens_equal else 'differ'}"}
-
-
-def _logits(out: Any) -> Any:
-    """A module's logits, whatever it returns: an HF output, a tuple, or the tensor."""
-    return out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
 
 
 def _write_tables(root: Path, key: str, prog: Any, debug: bool) -> dict[str, Any]:

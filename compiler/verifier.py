@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .driver import CompileOptions, Observer, lower
+from .driver import CompileOptions, Lowered, Observer, lower
 from .errors import ModelFormatError, ZlcError
 from .ir import Graph, Node
 
@@ -318,6 +318,51 @@ _QSCALE = ("an attention scale applied to a projection as a Mul that raise-rows 
 _SCALAR = ("a multiplier on activations that raise-rows could not fold into a projection (Granite's "
            "residual multipliers fold)")
 _OTHER = "op-level computation that raising did not recognise"
+
+
+def check_lowered(model: Any, example_inputs: Any, lowered: Lowered, atol: float | None,
+                     steps: int = 4) -> dict[str, Any]:
+    """`zlc compile`'s verify stage: the lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
+    else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
+    prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
+    if isinstance(model, (str, Path)) and Path(model).is_file():  # ONNX Runtime; GGUF: its imported graph
+        rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
+        return {"status": "passed" if rep.ok else "failed", "ok": rep.ok,
+                "reference": "onnxruntime" if rep.oracle == "ONNX Runtime" else "zlc reference in f32",
+                "oracle": rep.oracle, "atol": rep.atol, "max_abs": rep.max_abs,
+                "tokens_equal": rep.tokens_equal, "summary": rep.summary()}
+    import torch
+
+    if atol is None:
+        atol = default_atol(lowered.graph.outputs[0].dtype.value)
+
+    from zlc.reference.session import ReferenceSession
+
+    if example_inputs is None:
+        return {"status": "skipped", "ok": True, "summary": "no reference"}
+    prompt = [int(i) for i in example_inputs[0][0]]
+    steps = max(0, min(steps, lowered.max_seq - len(prompt)))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps + 1):  # the module's greedy continuation, one token per call
+            ref = _logits(model(torch.tensor([ids])))[0].float()
+            ids.append(int(ref[-1].argmax()))
+        ids.pop()
+        sess = ReferenceSession.from_lowered(lowered)
+        got = [sess.prefill(prompt).float()] + [sess.step(t).float()[None] for t in ids[len(prompt):]]
+    err = float((ref - torch.cat(got)).abs().max())
+    zlc_tokens = [int(r.argmax()) for r in torch.cat(got)[len(prompt) - 1:]]
+    tokens_equal = zlc_tokens == [int(r.argmax()) for r in ref[len(prompt) - 1:]]
+    ok = err <= atol and tokens_equal
+    return {"status": "passed" if ok else "failed", "ok": ok, "reference": "torch module",
+            "max_abs": err, "tokens_equal": tokens_equal,
+            "summary": f"prefill and {steps} decode steps: max abs {err:.3g} (atol {atol}), greedy tokens "
+                       f"{'equal' if tokens_equal else 'differ'}"}
+
+
+def _logits(out: Any) -> Any:
+    """A module's logits, whatever it returns: an HF output, a tuple, or the tensor."""
+    return out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
 
 
 def _feature(ops: set[str], consumers: set[str], to_output: bool) -> str:
