@@ -1,6 +1,7 @@
 """Continuous batching through the real server: `zlc serve` processes on the reference executor
-(SequentialBatch), real HTTP clients on threads (streaming OpenAI chat, read as SSE off the socket).
-Oracle: each stream's text is the one its prompt gets alone (Bundle.generate, greedy)."""
+(SequentialBatch) and on the native kernel (NativeBatch: one launch per step, paged KV cache), real
+HTTP clients on threads (streaming OpenAI chat, read as SSE off the socket). Oracle: each stream's
+text is the one its prompt gets alone on the same executor (Bundle.generate, greedy)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def bundle(chat_bundle: Path) -> Any:
     return zlc.load(chat_bundle)
 
 
-def alone_texts(bundle: Any, n: int, prompts: list[str] = PROMPTS) -> dict[str, str]:
+def alone_texts(bundle: Any, n: int, prompts: list[str] = PROMPTS, device: str = "reference") -> dict[str, str]:
     tok = bundle.tokenizer
-    return {p: tok.decode(bundle.generate(tok.encode_chat(p), n, device="reference", eos=bundle.eos_token_ids))
+    return {p: tok.decode(bundle.generate(tok.encode_chat(p), n, device=device, eos=bundle.eos_token_ids))
             for p in prompts}
 
 
@@ -141,3 +142,31 @@ def test_a_prompt_beyond_the_kv_budget_is_a_400_naming_it(tiny_budget_server: An
     status, body = chat(tiny_budget_server, words, max_tokens=4)
     assert status == 400, body
     assert "--kv-pages 7" in json.loads(body)["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def native_server(chat_bundle: Path, server_process: Any) -> Any:
+    # The batched native kernel with a budget of 7 pages of 16 (as tiny_budget_server's).
+    s = server_process(chat_bundle, "--device", "cpu", "--threads", "2", "--max-batch", "4", "--kv-pages", "7")
+    yield s
+    s.stop()
+
+
+def test_native_batched_steps_give_each_stream_its_solo_text(native_server: Any, bundle: Any) -> None:
+    """Four greedy streams at once on NativeBatch, preempted under the page budget, each equal to
+    its prompt run alone on the native kernel (MegakernelSession, batch 1)."""
+    alone = alone_texts(bundle, 40, PROMPTS[:4], device="cpu")
+    pid = engine_pid(native_server)
+    os.kill(pid, signal.SIGSTOP)  # held until all four are in the ring: they arrive at one step
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(chat, native_server, p, 40) for p in PROMPTS[:4]]
+            wait_for("the 4 submitted", lambda: metric(native_server, "zlc_queue_depth") == 4, timeout=30)
+            os.kill(pid, signal.SIGCONT)
+            got = [f.result() for f in futures]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == [(200, alone[p]) for p in PROMPTS[:4]]
+    assert metric(native_server, "zlc_engine_steps") < metric(native_server, "zlc_engine_rows")
+    assert metric(native_server, "zlc_engine_preemptions") > 0
+    wait_for("all pages back", lambda: all_pages_back(native_server), timeout=10)
