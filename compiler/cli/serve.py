@@ -50,12 +50,11 @@ from .common import cli, err_console
               "cores; 1 keeps small models' latency steady.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests the engine runs side by side (continuous batching): each step gives every "
-              "running one its next token. More shortens the wait under load (and raises throughput with a batched "
-              "kernel) and lengthens each step; without a batched kernel each running request holds a session "
-              "of its own (on cpu: a copy of the weights).")
+              "running one its next token. More shortens the wait under load and, on cpu (the native kernel's "
+              "batched step: one launch for all rows), raises throughput; each step gets longer. Executors "
+              "without a batched step (interpret, reference, cuda) hold a session per running request.")
 @click.option("--kv-pages", type=click.IntRange(min=1), default=None,
-              help="The engine's KV cache budget in pages (page size: the executor's, 16 tokens without a "
-              "batched kernel); when a step needs more, the youngest request is preempted and recomputed "
+              help="The engine's KV cache budget in pages of 16 tokens; when a step needs more, the youngest request is preempted and recomputed "
               "later [default: --max-batch full contexts of the bundle's max_seq].")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompt tokens prefilled per step, between the running requests' tokens: larger gives a "
