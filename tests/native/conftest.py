@@ -3,14 +3,11 @@ native_helpers.py)."""
 
 from __future__ import annotations
 
-import platform
-import shutil
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from native_helpers import MODELS, Built
+from native_helpers import MODELS, Built, tsan_build
 
 
 @pytest.fixture(scope="session")
@@ -40,17 +37,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Built]:
 def tsan(built: Callable[..., Built], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(a ThreadSanitizer build of the tiny Llama's C kernel, gcc's libtsan.so to preload), built
     with gcc once per session (test_native_threads.py, test_native_batch.py)."""
-    from zlc.codegen.native import compile_library
-    from zlc.targets import isa_levels_for
-
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("ThreadSanitizer builds use gcc's libtsan; no gcc here")
-    rt = subprocess.run([gcc, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
-    if not rt or not Path(rt).is_file():
-        pytest.skip("gcc has no libtsan.so (install libtsan)")
-    b = built("llama")
-    level = isa_levels_for(platform.machine())[-1]  # any level: the race is in the protocol, not the ISA
     lib = tmp_path_factory.mktemp("tsan") / "megakernel-tsan.so"
-    compile_library(b.path / b.manifest["native"]["source"], lib, level, gcc, extra=("-fsanitize=thread", "-g", "-O1"))
-    return lib, Path(rt)
+    rt = tsan_build(built("llama"), lib)
+    return lib, rt

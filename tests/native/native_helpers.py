@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from megakernel_cases import ATOL, MODELS, PROMPT
 
-__all__ = ["ATOL", "MODELS", "PROMPT", "Built", "assert_matches", "run_both", "write_native_bundle"]
+__all__ = ["ATOL", "MODELS", "PROMPT", "Built", "assert_matches", "run_both", "tsan_build", "write_native_bundle"]
 
 
 class Built:
@@ -93,3 +93,25 @@ def write_native_bundle(src: Path, dst: Path, program: Any) -> Path:
     (dst / tl["readable"]).write_text(json.dumps({"note": "rewritten by a test"}) + "\n")
     write_manifest(dst, man)
     return dst
+
+
+def tsan_build(b: Built, lib: Path) -> Path:
+    """Builds `b`'s C kernel with ThreadSanitizer into `lib` (gcc; any ISA level: the races are in the
+    protocol, not the ISA) and returns gcc's libtsan.so to preload; skips when gcc or libtsan is missing."""
+    import platform
+    import subprocess
+
+    import pytest
+
+    from zlc.codegen.native import compile_library
+    from zlc.targets import isa_levels_for
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("ThreadSanitizer builds use gcc's libtsan; no gcc here")
+    rt = subprocess.run([gcc, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
+    if not rt or not Path(rt).is_file():
+        pytest.skip("gcc has no libtsan.so (install libtsan)")
+    level = isa_levels_for(platform.machine())[-1]
+    compile_library(b.path / b.manifest["native"]["source"], lib, level, gcc, extra=("-fsanitize=thread", "-g", "-O1"))
+    return Path(rt)

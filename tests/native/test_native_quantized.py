@@ -7,8 +7,6 @@ level of this host; a ThreadSanitizer build on one format."""
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,12 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from native_helpers import PROMPT, Built, assert_matches, run_both
+from native_helpers import PROMPT, Built, assert_matches, run_both, tsan_build
 
 import zlc
-from zlc.codegen.native import compile_library, find_compiler
+from zlc.codegen.native import find_compiler
 from zlc.runtime.native import host_cpu_flags
-from zlc.targets import isa_levels_for
 
 pytestmark = pytest.mark.skipif(find_compiler()[0] is None, reason="no C compiler on this host")
 
@@ -130,16 +127,9 @@ print("child done", "tsan" if hasattr(ctypes.CDLL(None), "__tsan_init") else "no
 
 
 def test_tsan_clean_on_a_packed_model(built: Callable[..., Built], tmp_path: Path) -> None:
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("ThreadSanitizer builds use gcc's libtsan; no gcc here")
-    rt = subprocess.run([gcc, "-print-file-name=libtsan.so"], capture_output=True, text=True).stdout.strip()
-    if not rt or not Path(rt).is_file():
-        pytest.skip("gcc has no libtsan.so (install libtsan)")
     b = built("llama", quantize="int4:q4_1")
     lib = tmp_path / "megakernel-tsan.so"
-    level = isa_levels_for(platform.machine())[-1]
-    compile_library(b.path / b.manifest["native"]["source"], lib, level, gcc, extra=("-fsanitize=thread", "-g", "-O1"))
+    rt = str(tsan_build(b, lib))
     env = dict(os.environ, LD_PRELOAD=rt, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                TSAN_OPTIONS="halt_on_error=0 exitcode=0 report_signal_unsafe=0")
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(b.path), str(lib), str(PROMPT)], env=env,

@@ -108,6 +108,20 @@ def test_a_client_hanging_up_mid_batch_frees_its_sequence(batch_server: Any, alo
     wait_for("all sequences closed", lambda: all_pages_back(batch_server), timeout=10)
 
 
+def four_at_one_step(server: Any, max_tokens: int) -> list[tuple[int, str]]:
+    """The first four prompts, arriving at one step: the engine is stopped until all four are in the ring."""
+    pid = engine_pid(server)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(chat, server, p, max_tokens) for p in PROMPTS[:4]]
+            wait_for("the 4 submitted", lambda: metric(server, "zlc_queue_depth") == 4, timeout=30)
+            os.kill(pid, signal.SIGCONT)
+            return [f.result() for f in futures]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.fixture(scope="module")
 def tiny_budget_server(chat_bundle: Path, server_process: Any) -> Any:
     # 7 pages of 16: two 48-token prompts are admitted (3 pages each, the third must wait), and
@@ -119,17 +133,7 @@ def tiny_budget_server(chat_bundle: Path, server_process: Any) -> Any:
 
 def test_preemption_under_a_tiny_page_budget_keeps_the_text(tiny_budget_server: Any, bundle: Any) -> None:
     alone = alone_texts(bundle, 40, PROMPTS[:4])
-    pid = engine_pid(tiny_budget_server)
-    os.kill(pid, signal.SIGSTOP)  # held until all four are in the ring: they arrive at one step
-    try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(chat, tiny_budget_server, p, 40) for p in PROMPTS[:4]]
-            wait_for("the 4 submitted", lambda: metric(tiny_budget_server, "zlc_queue_depth") == 4, timeout=30)
-            os.kill(pid, signal.SIGCONT)
-            got = [f.result() for f in futures]
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert got == [(200, alone[p]) for p in PROMPTS[:4]]
+    assert four_at_one_step(tiny_budget_server, 40) == [(200, alone[p]) for p in PROMPTS[:4]]
     assert metric(tiny_budget_server, "zlc_engine_preemptions") > 0
     wait_for("all pages back", lambda: all_pages_back(tiny_budget_server), timeout=10)
 
@@ -156,17 +160,7 @@ def test_native_batched_steps_give_each_stream_its_solo_text(native_server: Any,
     """Four greedy streams at once on NativeBatch, preempted under the page budget, each equal to
     its prompt run alone on the native kernel (MegakernelSession, batch 1)."""
     alone = alone_texts(bundle, 40, PROMPTS[:4], device="cpu")
-    pid = engine_pid(native_server)
-    os.kill(pid, signal.SIGSTOP)  # held until all four are in the ring: they arrive at one step
-    try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(chat, native_server, p, 40) for p in PROMPTS[:4]]
-            wait_for("the 4 submitted", lambda: metric(native_server, "zlc_queue_depth") == 4, timeout=30)
-            os.kill(pid, signal.SIGCONT)
-            got = [f.result() for f in futures]
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert got == [(200, alone[p]) for p in PROMPTS[:4]]
+    assert four_at_one_step(native_server, 40) == [(200, alone[p]) for p in PROMPTS[:4]]
     assert metric(native_server, "zlc_engine_steps") < metric(native_server, "zlc_engine_rows")
     assert metric(native_server, "zlc_engine_preemptions") > 0
     wait_for("all pages back", lambda: all_pages_back(native_server), timeout=10)
