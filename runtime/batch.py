@@ -117,6 +117,7 @@ class PagePool:
         self.key: dict[int, Key] = {}  # keyed page -> its key
         self.node: dict[int, int] = {}  # keyed page -> its node id (the parent of the next page's key)
         self._next_node = 1  # 0: the root, before position 0
+        self.evictions = 0  # cached pages taken for a step (not counting trims to the cap)
 
     def available(self) -> int:
         return len(self.free) + len(self.lru)
@@ -128,6 +129,7 @@ class PagePool:
         else:
             page = next(iter(self.lru))
             self._forget(page)
+            self.evictions += 1
         self.refs[page] = 1
         return page
 
