@@ -200,8 +200,12 @@ def question(i: int) -> str:
 # load shapes
 
 
+def warm_up_question(i: int) -> str:
+    return f"Warm-up request {i}: say hello."
+
+
 async def closed_loop(host: str, port: int, model: str, streams: int, duration: float, max_tokens: int,
-                      system: str | None = None) -> tuple[list[Sample], float]:
+                      system: str | None = None, ask: Any = question) -> tuple[list[Sample], float]:
     t0 = time.perf_counter()
     deadline = t0 + duration
 
@@ -209,7 +213,7 @@ async def closed_loop(host: str, port: int, model: str, streams: int, duration: 
         conn, i = Connection(host, port), k * 7  # each client starts elsewhere in the list
         out: list[Sample] = []
         while not out or time.perf_counter() < deadline:  # at least one each
-            out.append(await conn.request(chat_body(model, question(i), max_tokens, system)))
+            out.append(await conn.request(chat_body(model, ask(i), max_tokens, system)))
             i += 1
         conn.close()
         return out
@@ -375,8 +379,9 @@ def run_cases(name: str, port: int, args: argparse.Namespace, zlc: bool) -> list
     model = served_model(port)
     # Warm-up, not measured: as many concurrent short requests as the server runs side by side, so
     # that every slot / sequence exists (zlc without a batched kernel makes a session per sequence on
-    # first need, seconds for a native one) before the first case's clock starts.
-    warm = asyncio.run(closed_loop("127.0.0.1", port, model, args.parallel, 0.1, 8))[0]
+    # first need, seconds for a native one) before the first case's clock starts. Other questions
+    # than the cases': the prefix cache must not hold the measured prompts beforehand.
+    warm = asyncio.run(closed_loop("127.0.0.1", port, model, args.parallel, 0.1, 8, ask=warm_up_question))[0]
     failed = [s.error for s in warm if s.error is not None]
     if failed:
         raise RuntimeError(f"{name}: a warm-up request failed: {failed[0]}")

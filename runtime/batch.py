@@ -11,7 +11,7 @@ so the scheduler can preempt a sequence and try again.
 Linear tasks read each weight tile once for all rows, the row-dependent ops read each row's
 (position, page table), and the KV cache is one arena of fixed-size pages handed out here, on the
 host, from a free list, so memory is spent on tokens that exist. Its full pages form a shared-prefix
-cache (`PrefixCache`): a sequence opened with its prompt maps the pages another sequence already
+cache (`PagePool`): a sequence opened with its prompt maps the pages another sequence already
 filled with the same tokens at the same positions, and prefills only the rest.
 
 `SequentialBatch` is the protocol for executors without a batched kernel (interpret, reference,

@@ -62,7 +62,8 @@ from .common import cli, err_console
 @click.option("--prefix-cache-pages", type=click.IntRange(min=0), default=None,
               help="The most KV pages (of 16 tokens) the shared-prefix cache keeps after their requests end, "
               "evicted least recently used; a prompt starting with cached pages prefills only the rest. "
-              "0 turns prefix reuse off [default on cpu: 256 MiB of pages].")
+              "0 turns prefix reuse off (executors without a batched step reuse per session, any other "
+              "value keeps that on) [default on cpu: 256 MiB of pages].")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds requests in flight may still run (no new connections, /health 503) "
               "before the rest end with an error and the server exits 0.")
