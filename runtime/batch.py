@@ -10,12 +10,16 @@ so the scheduler can preempt a sequence and try again.
 `NativeBatch` implements it on the native C kernel with one launch per step: the prefill table's
 Linear tasks read each weight tile once for all rows, the row-dependent ops read each row's
 (position, page table), and the KV cache is one arena of fixed-size pages handed out here, on the
-host, from a free list, so memory is spent on tokens that exist.
+host, from a free list, so memory is spent on tokens that exist. Its full pages form a shared-prefix
+cache (`PagePool`): a sequence opened with its prompt maps the pages another sequence already
+filled with the same tokens at the same positions, and prefills only the rest.
 
 `SequentialBatch` is the protocol for executors without a batched kernel (interpret, reference,
 cuda): one MegakernelSession per open sequence, each row run on its own session, one after
 another. Its pages are a token budget it accounts (each session holds a whole max_seq cache
-anyway), so preemption and admission behave as they do on the paged kernel.
+anyway), so preemption and admission behave as they do on the paged kernel. Its prefix reuse is a
+slot's: a sequence opened with its prompt takes the idle session whose last tokens share the longest
+prefix with it and keeps that much of its cache.
 """
 
 from __future__ import annotations
@@ -46,10 +50,21 @@ class BatchBackend(Protocol):
     page_size: int     # tokens per KV page (1 page = page_size positions of one sequence)
     pages_total: int   # the KV budget of this session, in pages
 
-    def pages_free(self) -> int: ...
+    def pages_free(self) -> int:
+        """Pages a step may take now: free ones and cached ones (evicted, least recently used first)."""
 
-    def open(self) -> int:
-        """A new, empty sequence; returns its id. Holds no pages until rows are appended."""
+    def pages_cached(self) -> int:
+        """Pages no open sequence holds, kept because their tokens may come again (in pages_free)."""
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """What open(prompt) would reuse now, changing nothing: (positions already cached, and how
+        many of their pages open sequences hold: those are shared without taking from pages_free)."""
+
+    def open(self, prompt: Sequence[int] = ()) -> int:
+        """A new sequence; returns its id. Given the ids it will be fed first, the longest cached
+        prefix of `prompt` (at most len(prompt) - 1 positions: the last id is always computed, it
+        gives the logits) is mapped into it: length(seq) says how many positions are already there,
+        and the caller feeds prompt[length(seq):]. Holds no other pages until rows are appended."""
 
     def close(self, seq: int) -> None:
         """Forget `seq` and return its pages at once (finished, cancelled or preempted)."""
@@ -74,16 +89,144 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+Key = tuple[int, tuple[int, ...]]  # (the previous page's node, this page's tokens)
+
+
+class PagePool:
+    """The KV pages of one arena and the shared-prefix cache over them (host bookkeeping only).
+
+    A page is free (on the free list), held (by ``refs[p]`` >= 1 open sequences) or cached (held by
+    none, kept in least-recently-used order because its tokens may come again). A FULL page can
+    be registered under a key that covers every token from position 0 to its end, as a chain:
+    (the node of the page before it, its own tokens), exact tuples compared by the dict (no hash
+    collision can alias two prefixes). Node ids are never reused, so a key whose parent page was
+    evicted and recycled can no longer be reached. Only full pages are keyed and a sequence only
+    ever appends after its last position, so a registered page is never written again: sharing it
+    is read-only. A closed sequence's keyed pages are cached (its last pages first in line for
+    eviction, so a chain is evicted from its end), its others freed; at most ``cache_pages`` stay
+    cached (beyond that the oldest is freed at once: untouched pages of the arena cost no memory,
+    so a bounded cache bounds what serving touches). ``take`` hands out a free page, else evicts
+    the least recently used cached page: eviction happens before a step is ever short of pages."""
+
+    def __init__(self, pages_total: int, page_size: int, cache_pages: int):
+        self.pages_total, self.page_size, self.cache_pages = pages_total, page_size, max(0, cache_pages)
+        self.free = list(range(pages_total - 1, -1, -1))  # pop() hands out page 0 first
+        self.refs = [0] * pages_total
+        self.lru: dict[int, None] = {}  # cached pages, least recently used first (dicts keep order)
+        self.index: dict[Key, int] = {}  # key -> its page
+        self.key: dict[int, Key] = {}  # keyed page -> its key
+        self.node: dict[int, int] = {}  # keyed page -> its node id (the parent of the next page's key)
+        self._next_node = 1  # 0: the root, before position 0
+        self.evictions = 0  # cached pages taken for a step (not counting trims to the cap)
+
+    def available(self) -> int:
+        return len(self.free) + len(self.lru)
+
+    def take(self) -> int:
+        """A page to write: a free one, else the least recently used cached one (its key dropped)."""
+        if self.free:
+            page = self.free.pop()
+        else:
+            page = next(iter(self.lru))
+            self._forget(page)
+            self.evictions += 1
+        self.refs[page] = 1
+        return page
+
+    def _forget(self, page: int) -> None:
+        del self.lru[page]
+        del self.index[self.key.pop(page)]
+        del self.node[page]
+
+    def match(self, tokens: Sequence[int], pages: int) -> tuple[list[int], list[int]]:
+        """The keyed pages holding tokens[0:k*page_size] for the largest k <= `pages`, and their nodes."""
+        found: list[int] = []
+        nodes: list[int] = []
+        parent, ps = 0, self.page_size
+        if not self.cache_pages:
+            return found, nodes
+        for k in range(pages):
+            page = self.index.get((parent, tuple(int(t) for t in tokens[k * ps:(k + 1) * ps])))
+            if page is None:
+                break
+            found.append(page)
+            parent = self.node[page]
+            nodes.append(parent)
+        return found, nodes
+
+    def hold(self, page: int) -> None:
+        """One more sequence maps `page` (a keyed page found by match)."""
+        if self.refs[page] == 0:
+            del self.lru[page]
+        self.refs[page] += 1
+
+    def release(self, pages: Sequence[int]) -> None:
+        """A sequence lets go of `pages` (in position order)."""
+        for page in reversed(pages):  # the last page first: it is evicted first
+            self.refs[page] -= 1
+            if self.refs[page]:
+                continue
+            if page in self.key:
+                self.lru[page] = None
+                if len(self.lru) > self.cache_pages:
+                    old = next(iter(self.lru))
+                    self._forget(old)
+                    self.free.append(old)
+            else:
+                self.free.append(page)
+
+    def register(self, page: int, parent: int, tokens: Sequence[int]) -> int:
+        """Keys the full, held `page` as `tokens` after node `parent`; returns the node a following
+        page's key chains from (an equal page's already keyed: then `page` stays private)."""
+        if not self.cache_pages:
+            return 0
+        key = (parent, tuple(int(t) for t in tokens))
+        have = self.index.get(key)
+        if have is not None:
+            return self.node[have]
+        self.index[key], self.key[page], self.node[page] = page, key, self._next_node
+        self._next_node += 1
+        return self.node[page]
+
+    def check(self, holders: Mapping[int, Sequence[int]], lengths: Mapping[int, int]) -> None:
+        """The page invariants, given each open sequence's pages and length: every page is exactly
+        one of free / held / cached; refcounts equal the holders; a page held twice or cached is
+        keyed, full and before every holder's end; the index and the keys agree; the cache within
+        its cap. AssertionError naming what is wrong."""
+        count = [0] * self.pages_total
+        for seq, pages in holders.items():
+            assert len(set(pages)) == len(pages), f"sequence {seq} maps a page twice"
+            assert len(pages) == pages_for(lengths[seq], self.page_size), f"sequence {seq} holds {len(pages)} pages"
+            for k, page in enumerate(pages):
+                count[page] += 1
+                if page in self.key:
+                    assert (k + 1) * self.page_size <= lengths[seq], f"keyed page {page} is not full in sequence {seq}"
+        assert count == self.refs, "refcounts differ from the sequences holding the pages"
+        free, cached = set(self.free), set(self.lru)
+        held = {p for p in range(self.pages_total) if count[p]}
+        assert len(free) == len(self.free), "a page is free twice"
+        assert not free & held and not free & cached and not held & cached, "a page is in two states"
+        assert free | held | cached == set(range(self.pages_total)), "pages are lost"
+        assert all(count[p] == 1 or p in self.key for p in held), "a shared page has no key"
+        assert cached <= set(self.key) and not free & set(self.key), "a cached page without a key, or a free one with"
+        assert {self.index[k]: k for k in self.index} == self.key and set(self.node) == set(self.key), \
+            "the index and the keys differ"
+        assert len(self.lru) <= self.cache_pages, "the cache is over its cap"
+
+
 class NativeBatch:
     """`BatchBackend` on the native C kernel: one launch per step, a paged KV cache.
 
     `page_size` tokens per page (default 16); `pages` the KV budget in pages (default: what
-    DEFAULT_KV_BYTES holds, at least one full max_seq sequence). Other keywords go to
-    `NativeBackend` (threads, pin, tables, library, level, debug). The session's own contiguous
-    cache (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence); `cache_pages` the most pages the
+    shared-prefix cache keeps after their sequences close (default: what DEFAULT_KV_BYTES holds,
+    at most the budget; 0 turns the prefix cache off). Other keywords go to `NativeBackend`
+    (threads, pin, tables, library, level, debug). The session's own contiguous cache
+    (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *,
-                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, **backend: Any):
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, cache_pages: int | None = None,
+                 **backend: Any):
         if manifest is None:
             manifest = fmt.read_manifest(Path(bundle), check=True)
         if page_size < 1:
@@ -104,22 +247,43 @@ class NativeBatch:
         if pages < 1:
             self.nb.close()
             raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
+        if cache_pages is None:
+            cache_pages = DEFAULT_KV_BYTES // page_bytes
         self.pages_total = int(pages)
         # np.zeros: untouched pages cost no memory until a sequence first writes them
         self.kv = np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
-        self._free = list(range(self.pages_total - 1, -1, -1))  # pop() hands out page 0 first
+        self.pool = PagePool(self.pages_total, self.page_size, min(int(cache_pages), self.pages_total))
         self._pages: dict[int, list[int]] = {}
         self._length: dict[int, int] = {}
+        self._tokens: dict[int, list[int]] = {}  # what each sequence was fed (its full pages' keys)
+        self._chain: dict[int, list[int]] = {}  # the node of each of its full pages
         self._next_id = 0
 
     # ---- sequences and pages --------------------------------------------------------------------
     def pages_free(self) -> int:
-        return len(self._free)
+        return self.pool.available()
 
-    def open(self) -> int:
+    def pages_cached(self) -> int:
+        return len(self.pool.lru)
+
+    def _reusable(self, prompt: Sequence[int]) -> tuple[list[int], list[int]]:
+        # Whole pages, and never the last prompt id: its row gives the logits, and the sequence
+        # then appends into a page of its own, never into a shared one.
+        return self.pool.match(prompt, max(0, len(prompt) - 1) // self.page_size)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, int]:
+        pages, _ = self._reusable(prompt)
+        return len(pages) * self.page_size, sum(1 for p in pages if self.pool.refs[p])
+
+    def open(self, prompt: Sequence[int] = ()) -> int:
+        pages, nodes = self._reusable(prompt)
+        for p in pages:
+            self.pool.hold(p)
         seq = self._next_id
         self._next_id += 1
-        self._pages[seq], self._length[seq] = [], 0
+        n = len(pages) * self.page_size
+        self._pages[seq], self._length[seq] = pages, n
+        self._tokens[seq], self._chain[seq] = [int(t) for t in prompt[:n]], nodes
         return seq
 
     def _known(self, seq: int) -> None:
@@ -128,8 +292,8 @@ class NativeBatch:
 
     def close(self, seq: int) -> None:
         self._known(seq)
-        self._free.extend(reversed(self._pages.pop(seq)))
-        del self._length[seq]
+        self.pool.release(self._pages.pop(seq))
+        del self._length[seq], self._tokens[seq], self._chain[seq]
 
     def length(self, seq: int) -> int:
         self._known(seq)
@@ -140,15 +304,14 @@ class NativeBatch:
         self._known(seq)
         return list(self._pages[seq])
 
+    def page_kv(self, page: int) -> np.ndarray:
+        """The arena's floats of `page` (every layer's K and V of its positions): a view."""
+        n = self.page_size * self.token_floats
+        return self.kv[page * n:(page + 1) * n]
+
     def check_pages(self) -> None:
-        """The page invariant: every page is free or owned by exactly one sequence, each sequence
-        holds exactly the pages its length needs. AssertionError naming what is wrong."""
-        owned = [p for ps in self._pages.values() for p in ps]
-        everything = owned + self._free
-        assert len(set(everything)) == len(everything), "a page is owned twice (or owned and free)"
-        assert sorted(everything) == list(range(self.pages_total)), "pages are lost"
-        for seq, ps in self._pages.items():
-            assert len(ps) == pages_for(self._length[seq], self.page_size), f"sequence {seq} holds {len(ps)} pages"
+        """The page invariants (PagePool.check) over the open sequences. AssertionError naming what is wrong."""
+        self.pool.check(self._pages, self._length)
 
     # ---- one step -------------------------------------------------------------------------------
     def _validate(self, rows: Sequence[tuple[int, Sequence[int]]], want_logits: Sequence[bool]) -> int:
@@ -176,8 +339,8 @@ class NativeBatch:
             need += pages_for(end, self.page_size) - len(self._pages[seq])
         if total > self.max_rows:
             raise ZlcError(f"a step of {total} rows exceeds max_rows={self.max_rows} (the native chunk)")
-        if need > len(self._free):
-            raise OutOfPages(f"the step needs {need} KV pages, {len(self._free)} of {self.pages_total} are free")
+        if need > self.pool.available():
+            raise OutOfPages(f"the step needs {need} KV pages, {self.pool.available()} of {self.pages_total} are free")
         return need
 
     def step(self, rows: Sequence[tuple[int, Sequence[int]]], want_logits: Sequence[bool]) \
@@ -193,7 +356,7 @@ class NativeBatch:
             start, n = self._length[seq], len(ids)
             own = self._pages[seq]
             add = pages_for(start + n, self.page_size) - len(own)
-            own.extend(self._free.pop() for _ in range(add))
+            own.extend(self.pool.take() for _ in range(add))
             taken.append((seq, add))
             base = len(table)
             table.extend(own)
@@ -206,20 +369,28 @@ class NativeBatch:
         try:
             logits = self.nb.batch_launch(self.kv, self.page_size, np.array(tokens, i32), np.array(pos, i32),
                                           np.array(pt, i32), np.array(table, i32), np.array(lrows, i32))
-        except BaseException:
+        except BaseException:  # the new pages go back (free: a cached page taken lost its key)
             for seq, add in taken:
                 own = self._pages[seq]
-                self._free.extend(reversed(own[len(own) - add:]))
+                self.pool.release(own[len(own) - add:])
                 del own[len(own) - add:]
             raise
         for seq, ids in rows:
             self._length[seq] += len(ids)
+            self._tokens[seq].extend(int(i) for i in ids)
+            self._register_full(seq)
         out: list[np.ndarray | None] = []
         k = 0
         for want in want_logits:
             out.append(logits[k] if want else None)
             k += bool(want)
         return out
+
+    def _register_full(self, seq: int) -> None:
+        """Keys the pages `seq` has filled since its last step (written now, never again)."""
+        chain, pages, toks, ps = self._chain[seq], self._pages[seq], self._tokens[seq], self.page_size
+        for k in range(len(chain), self._length[seq] // ps):
+            chain.append(self.pool.register(pages[k], chain[-1] if chain else 0, toks[k * ps:(k + 1) * ps]))
 
     def close_all(self) -> None:
         for seq in list(self._length):
@@ -236,14 +407,20 @@ class NativeBatch:
 class SequentialBatch:
     """BatchBackend over one MegakernelSession per open sequence (``max_seqs`` at most), rows run
     one after another. Sessions are made on first need by ``make_session`` and kept for reuse
-    after close() (a native session starts threads and lays out weights: too dear per request)."""
+    after close() (a native session starts threads and lays out weights: too dear per request),
+    with their caches: a sequence opened with its prompt takes the idle session whose cache holds
+    the longest prefix of it (a slot, as llama.cpp's server reuses them) and rewinds it there
+    (a session's cache rows past its length are rewritten before they are read). Those caches are
+    outside the page budget: pages_cached() is 0. ``reuse_prefixes=False``: every sequence starts
+    empty."""
 
     def __init__(self, make_session: Callable[[], MegakernelSession], *, max_seq: int, max_seqs: int = 8,
-                 max_rows: int = 256, page_size: int = 16, pages_total: int | None = None):
+                 max_rows: int = 256, page_size: int = 16, pages_total: int | None = None,
+                 reuse_prefixes: bool = True):
         if max_seqs < 1 or max_rows < 1 or page_size < 1:
             raise ZlcError(f"bad batch shape: max_seqs={max_seqs}, max_rows={max_rows}, page_size={page_size} "
                            "(each must be >= 1)")
-        self.make_session = make_session
+        self.make_session, self.reuse_prefixes = make_session, reuse_prefixes
         self.max_seq, self.max_seqs, self.max_rows, self.page_size = max_seq, max_seqs, max_rows, page_size
         # Default: every sequence can reach max_seq, so nothing is ever preempted.
         self.pages_total = pages_total if pages_total is not None else max_seqs * pages_for(max_seq, page_size)
@@ -251,19 +428,47 @@ class SequentialBatch:
             raise ZlcError(f"the KV budget must be at least 1 page, got {self.pages_total}")
         self._idle: list[MegakernelSession] = []
         self._open: dict[int, MegakernelSession] = {}
+        self._history: dict[int, list[int]] = {}  # id(session) -> the ids its cache holds (open or idle)
+        self._unfed: set[int] = set()  # open sequences not stepped yet: their first chunk runs as prefill
         self._next = 1
         self._used = 0  # pages held by open sequences
 
     def pages_free(self) -> int:
         return self.pages_total - self._used
 
-    def open(self) -> int:
+    def pages_cached(self) -> int:
+        return 0
+
+    def _best_idle(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """(index in _idle of the session to take, positions of `prompt` its cache holds): at most
+        len(prompt) - 1 (the last id gives the logits) and what the free pages hold."""
+        limit = min(max(0, len(prompt) - 1), self.pages_free() * self.page_size) if self.reuse_prefixes else 0
+        best, keep = len(self._idle) - 1, 0
+        for i, s in enumerate(self._idle):
+            hist, n = self._history.get(id(s), []), 0
+            while n < min(limit, len(hist)) and hist[n] == int(prompt[n]):
+                n += 1
+            if n > keep:
+                best, keep = i, n
+        return best, keep
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, int]:
+        return (self._best_idle(prompt)[1] if self._idle else 0), 0
+
+    def open(self, prompt: Sequence[int] = ()) -> int:
         if len(self._open) >= self.max_seqs:
             raise ZlcError(f"{len(self._open)} sequences are open: the batch holds max_seqs={self.max_seqs}")
-        s = self._idle.pop() if self._idle else self.make_session()
-        s.reset()
+        if self._idle:
+            i, keep = self._best_idle(prompt)
+            s = self._idle.pop(i)
+        else:
+            s, keep = self.make_session(), 0
+        s.length = keep
+        del self._history.setdefault(id(s), [])[keep:]
+        self._used += pages_for(keep, self.page_size)
         seq, self._next = self._next, self._next + 1
         self._open[seq] = s
+        self._unfed.add(seq)
         return seq
 
     def _session(self, seq: int) -> MegakernelSession:
@@ -276,9 +481,9 @@ class SequentialBatch:
         s = self._open.pop(seq, None)
         if s is None:
             return
+        self._unfed.discard(seq)
         self._used -= pages_for(s.length, self.page_size)
-        s.reset()
-        self._idle.append(s)
+        self._idle.append(s)  # its cache and history stay: a later prompt may start the same way
 
     def length(self, seq: int) -> int:
         return self._session(seq).length
@@ -307,10 +512,12 @@ class SequentialBatch:
         for (seq, ids), want in zip(rows, want_logits, strict=True):
             s = self._open[seq]
             before = pages_for(s.length, self.page_size)
-            if len(ids) == 1 and s.length > 0:
+            if len(ids) == 1 and seq not in self._unfed:
                 _, lg = s.step(int(ids[0]), want_logits=want)
             else:  # a prompt's first chunk runs as prefill even when it is one token (as alone)
                 _, lg = s.prefill([int(i) for i in ids], want_logits=want)
+            self._unfed.discard(seq)
+            self._history[id(s)].extend(int(i) for i in ids)
             self._used += pages_for(s.length, self.page_size) - before
             out.append(None if lg is None else np.asarray(lg[-1], dtype=np.float32))
         return out
@@ -319,38 +526,43 @@ class SequentialBatch:
         for seq in list(self._open):
             self.close(seq)
         sessions, self._idle = self._idle, []
+        self._history.clear()
         for s in sessions:
             s.close()
 
 
 # Devices whose kernel runs a whole batch in one launch: device -> factory(bundle, threads=, max_seqs=,
-# max_rows=, pages_total=). Adding a batched kernel is one line here; every other device gets
+# max_rows=, pages_total=, cache_pages=). Adding a batched kernel is one line here; every other device gets
 # SequentialBatch.
 BATCHED: dict[str, Callable[..., BatchBackend]] = {}
 
 
 def _native_batch(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: int,
-                  pages_total: int | None) -> BatchBackend:
+                  pages_total: int | None, cache_pages: int | None) -> BatchBackend:
     """NativeBatch for the engine. Its rows per step are the native chunk (the prefill table's);
     the default budget is max_seqs full max_seq contexts, as SequentialBatch's, so the defaults
     never preempt (untouched pages cost no memory)."""
     del max_rows  # fixed by the kernel's tables: NativeBatch.max_rows
     pages = pages_total if pages_total is not None else max_seqs * pages_for(bundle.max_seq, DEFAULT_PAGE_SIZE)
-    return NativeBatch(bundle.path, bundle.manifest, threads=threads, pages=pages)
+    return NativeBatch(bundle.path, bundle.manifest, threads=threads, pages=pages, cache_pages=cache_pages)
 
 
 BATCHED["cpu"] = _native_batch
 
 
 def batch_backend(bundle: Any, device: str = "auto", *, threads: int | None = None, max_seqs: int = 8,
-                  prefill_chunk: int = 64, pages_total: int | None = None) -> BatchBackend:
+                  prefill_chunk: int = 64, pages_total: int | None = None,
+                  cache_pages: int | None = None) -> BatchBackend:
     """The BatchBackend the engine serves `bundle` with on `device` (auto resolved as Bundle does):
     the device's batched kernel when there is one, else SequentialBatch over its sessions. Its
-    max_rows fits a decode row per sequence plus a whole prefill chunk."""
+    max_rows fits a decode row per sequence plus a whole prefill chunk. `cache_pages`: the most
+    pages the prefix cache keeps (None: the backend's default; 0: no prefix reuse)."""
     device = bundle.resolve_device(device)
     max_rows = max_seqs + prefill_chunk
     batched = BATCHED.get(device)
     if batched is not None:
-        return batched(bundle, threads=threads, max_seqs=max_seqs, max_rows=max_rows, pages_total=pages_total)
+        return batched(bundle, threads=threads, max_seqs=max_seqs, max_rows=max_rows, pages_total=pages_total,
+                       cache_pages=cache_pages)
     return SequentialBatch(lambda: bundle.session(device, threads=threads), max_seq=bundle.max_seq,
-                           max_seqs=max_seqs, max_rows=max_rows, pages_total=pages_total)
+                           max_seqs=max_seqs, max_rows=max_rows, pages_total=pages_total,
+                           reuse_prefixes=cache_pages != 0)

@@ -59,6 +59,11 @@ from .common import cli, err_console
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=64, show_default=True,
               help="Prompt tokens prefilled per step, between the running requests' tokens: larger gives a "
               "new request its first token sooner, smaller keeps the running ones' inter-token time steady.")
+@click.option("--prefix-cache-pages", type=click.IntRange(min=0), default=None,
+              help="The most KV pages (of 16 tokens) the shared-prefix cache keeps after their requests end, "
+              "evicted least recently used; a prompt starting with cached pages prefills only the rest. "
+              "0 turns prefix reuse off (executors without a batched step reuse per session, any other "
+              "value keeps that on) [default on cpu: 256 MiB of pages].")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM: seconds requests in flight may still run (no new connections, /health 503) "
               "before the rest end with an error and the server exits 0.")
@@ -77,7 +82,7 @@ from .common import cli, err_console
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
           frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int, max_body: int,
           request_timeout: float, spin_us: float, threads: int, max_batch: int, kv_pages: int | None,
-          prefill_chunk: int, drain_timeout: float, step_deadline: float | None,
+          prefill_chunk: int, prefix_cache_pages: int | None, drain_timeout: float, step_deadline: float | None,
           restart_limit: int, restart_window: float, insecure_frames: bool, metrics_public: bool) -> None:
     """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
     completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
@@ -94,6 +99,7 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
                         threads=threads, max_batch=max_batch, kv_pages=kv_pages, prefill_chunk=prefill_chunk,
+                        prefix_cache_pages=prefix_cache_pages,
                         limits=HttpLimits(max_body_bytes=max_body, request_timeout_s=request_timeout),
                         drain_timeout_s=drain_timeout, step_deadline_s=step_deadline,
                         restart=RestartPolicy(limit=restart_limit, window_s=restart_window),

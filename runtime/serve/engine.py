@@ -142,7 +142,8 @@ class Engine:
         s, b, st = self.scheduler, self.backend, self.scheduler.stats
         self.stats.values[:] = (st.steps, st.rows, self.host_ns * 1e-9, st.backend_ns * 1e-9, st.preemptions,
                                 len(s.running), len(s.waiting), b.pages_free(), b.pages_total,
-                                self.last_host_ns * 1e-9, st.last_backend_ns * 1e-9)
+                                self.last_host_ns * 1e-9, st.last_backend_ns * 1e-9, st.prefix_hits,
+                                st.prefix_tokens, b.pages_cached())
 
     def run(self, idle_check: Any = None) -> None:
         """Serves until ``stop()``; sleeps on the request eventfd when idle. ``idle_check`` is
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=8, help="sequences running side by side")
     ap.add_argument("--kv-pages", type=int, default=None, help="KV budget in pages (default: max-batch full contexts)")
     ap.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens prefilled per step")
+    ap.add_argument("--prefix-cache-pages", type=int, default=None,
+                    help="most KV pages the prefix cache keeps (default: the backend's; 0: off)")
     ap.add_argument("--stats-fd", type=int, default=None, help="memfd for EngineStats (the ingress reads it)")
     args = ap.parse_args(argv)
     parent = os.getppid()
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
         bundle = load(args.bundle)
         backend = batch_backend(bundle, args.device, threads=args.threads, max_seqs=args.max_batch,
-                                prefill_chunk=args.prefill_chunk, pages_total=args.kv_pages)
+                                prefill_chunk=args.prefill_chunk, pages_total=args.kv_pages,
+                                cache_pages=args.prefix_cache_pages)
         region = RingRegion.attach(args.region)
         # The first sequence's session now, not on the first request (a native session starts
         # threads; the interpreter's first launch imports and traces).

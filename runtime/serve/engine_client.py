@@ -38,10 +38,11 @@ class ResultHandler(Protocol):
 class EngineClient:
     def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, request_capacity: int = 256,
                  result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1, max_batch: int = 8,
-                 kv_pages: int | None = None, prefill_chunk: int = 64):
+                 kv_pages: int | None = None, prefill_chunk: int = 64, prefix_cache_pages: int | None = None):
         self.bundle, self.device = bundle, device
         self.max_queue, self.spin_us, self.threads = max_queue, spin_us, threads
         self.max_batch, self.kv_pages, self.prefill_chunk = max_batch, kv_pages, prefill_chunk
+        self.prefix_cache_pages = prefix_cache_pages
         self.stats = EngineStats()  # the engine writes its counters here (/metrics reads them)
         self.region = RingRegion.create(None, request_capacity, result_capacity)
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
@@ -69,6 +70,8 @@ class EngineClient:
                "--prefill-chunk", str(self.prefill_chunk), "--stats-fd", str(self.stats.fd)]
         if self.kv_pages is not None:
             cmd += ["--kv-pages", str(self.kv_pages)]
+        if self.prefix_cache_pages is not None:
+            cmd += ["--prefix-cache-pages", str(self.prefix_cache_pages)]
         # Its own process group: killing a hung engine takes the executor's worker processes along.
         self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w, self.stats.fd), stdin=subprocess.DEVNULL,
                                      process_group=0)

@@ -17,7 +17,8 @@ class EngineStats:
     (a torn read of one slot is impossible on 64-bit hosts; slots are read independently)."""
 
     FIELDS = ("steps", "rows", "host_seconds", "backend_seconds", "preemptions", "running", "waiting",
-              "pages_free", "pages_total", "last_host_seconds", "last_backend_seconds")
+              "pages_free", "pages_total", "last_host_seconds", "last_backend_seconds", "prefix_hits",
+              "prefix_tokens", "pages_cached")
 
     def __init__(self, fd: int | None = None):
         size = 8 * len(self.FIELDS)

@@ -88,12 +88,16 @@ class ServerMetrics:
                           ("host_seconds", "Engine time per step outside the executor (taking requests, admission, row building, "
                            "sampling, results), summed"),
                           ("backend_seconds", "Engine time inside the executor's step, summed"),
-                          ("preemptions", "Sequences preempted for KV pages (recomputed later)")):
+                          ("preemptions", "Sequences preempted for KV pages (recomputed later)"),
+                          ("prefix_hits", "Sequences that found the first pages of their context in the prefix cache"),
+                          ("prefix_tokens", "Context tokens found in the prefix cache, not prefilled")):
             Gauge(f"zlc_engine_{name}", doc + " (since the engine started)",
                   registry=r).set_function(functools.partial(stat, name))
         for name, doc in (("running", "Sequences in the batch now"),
                           ("waiting", "Requests waiting for the batch now"),
-                          ("pages_free", "Free KV pages"), ("pages_total", "The KV budget in pages"),
+                          ("pages_free", "KV pages a step may take (free, or cached and evictable)"),
+                          ("pages_total", "The KV budget in pages"),
+                          ("pages_cached", "KV pages no sequence holds, kept for the prefix cache (in pages_free)"),
                           ("last_host_seconds", "The last step's engine time outside the executor"),
                           ("last_backend_seconds", "The last step's time inside the executor")):
             Gauge(f"zlc_engine_{name}", doc, registry=r).set_function(functools.partial(stat, name))

@@ -3,6 +3,9 @@
 At every step the scheduler
   1. admits waiting requests, oldest first, while the batch has room (``max_batch`` sequences) and
      the free KV pages can hold the front request's context (no overtaking: FIFO, so nobody starves);
+     the backend's prefix cache may already hold the context's first pages (another request's
+     identical system prompt, or this one's own pages from before it was preempted): those are
+     mapped, not prefilled, and pages open sequences already hold cost nothing;
   2. builds one step: a decode row for every running sequence whose next token is known, then
      prefill chunks of the oldest admitted-but-unprefilled prompts, ``prefill_chunk`` tokens in all,
      within ``max_rows``. The chunk size is the knob between time to first token (a big chunk
@@ -71,6 +74,8 @@ class SchedulerStats:
     host_ns: int = 0
     backend_ns: int = 0
     preemptions: int = 0
+    prefix_hits: int = 0  # sequences opened with positions already in the prefix cache
+    prefix_tokens: int = 0  # context tokens those hits did not prefill
     last_host_ns: int = 0
     last_backend_ns: int = 0
 
@@ -194,12 +199,19 @@ class Scheduler:
             if self.running:
                 # Pages the running sequences still need for the context they already have, plus
                 # the front request's: admitting beyond that would only be preempted again.
+                # Pages of the front request's prefix that open sequences hold are shared for free;
+                # cached ones leave pages_free as a computed page would.
                 owed = sum(pages_for(len(j.context), b.page_size) - pages_for(j.fed, b.page_size)
                            for j in self.running)
-                if owed + pages_for(len(job.context), b.page_size) > b.pages_free():
+                _, shared = b.lookup(job.context)
+                if owed + pages_for(len(job.context), b.page_size) - shared > b.pages_free():
                     return
             self.waiting.popleft()
-            job.seq, job.fed = b.open(), 0
+            job.seq = b.open(job.context)
+            job.fed = b.length(job.seq)
+            if job.fed:
+                self.stats.prefix_hits += 1
+                self.stats.prefix_tokens += job.fed
             self.running.append(job)
 
     def _build(self) -> tuple[list[tuple[int, list[int]]], list[Job], list[bool]]:

@@ -74,6 +74,7 @@ class ServeOptions:
     max_batch: int = 8  # sequences the engine runs side by side (continuous batching)
     kv_pages: int | None = None  # the engine's KV budget in pages (None: max_batch full contexts)
     prefill_chunk: int = 64  # prompt tokens prefilled per step (TTFT vs inter-token latency)
+    prefix_cache_pages: int | None = None  # pages the prefix cache keeps (None: the backend's default; 0: off)
     limits: HttpLimits = field(default_factory=HttpLimits)
     frame_timeout_s: float = 5.0  # a partial TCP frame older than this closes the connection
     xdp: str | None = None  # attach the bundle's XDP program to this interface (needs udp_port)
@@ -112,7 +113,7 @@ class Server:
         self.engine = EngineSupervisor(
             lambda: EngineClient(str(self.bundle.path), o.device, max_queue=o.max_queue, spin_us=o.spin_us,
                                  threads=o.threads, max_batch=o.max_batch, kv_pages=o.kv_pages,
-                                 prefill_chunk=o.prefill_chunk),
+                                 prefill_chunk=o.prefill_chunk, prefix_cache_pages=o.prefix_cache_pages),
             step_deadline_s=deadline, policy=o.restart, on_give_up=self._give_up,
             on_restart=lambda kind: self.metrics.engine_restarts.labels(kind).inc())
         self.metrics = ServerMetrics(lambda: self.engine.in_flight, lambda: self.engine.occupancy("request"),

@@ -164,3 +164,38 @@ def test_native_batched_steps_give_each_stream_its_solo_text(native_server: Any,
     assert metric(native_server, "zlc_engine_steps") < metric(native_server, "zlc_engine_rows")
     assert metric(native_server, "zlc_engine_preemptions") > 0
     wait_for("all pages back", lambda: all_pages_back(native_server), timeout=10)
+
+
+SYSTEM = "You answer in short plain sentences."  # ~1 token a character: 3 pages with the template
+
+
+def chat_messages(server: Any, messages: list[dict[str, str]], max_tokens: int = MAX_TOKENS) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "max_tokens": max_tokens,
+                                                             "temperature": 0, "messages": messages}),
+                 {"content-type": "application/json"})
+    r = conn.getresponse()
+    body = json.loads(r.read())
+    conn.close()
+    return r.status, body["choices"][0]["message"]["content"] if r.status == 200 else str(body)
+
+
+def test_a_repeated_system_prompt_comes_from_the_prefix_cache(native_server: Any, bundle: Any) -> None:
+    """Two requests with the same long system prompt, one after the other, on the native kernel:
+    each gets the text it gets alone, and the second maps the first's full pages of their common
+    prefix (16-token pages: /metrics counts a hit and exactly those tokens) instead of prefilling
+    them; the first's pages stay cached (in pages_free) once both are done."""
+    tok = bundle.tokenizer
+    asks = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q in ("tell me about rings", "and kernels?")]
+    ids = [tok.encode_chat(m) for m in asks]
+    common = next(k for k, (x, y) in enumerate(zip(*ids, strict=False)) if x != y)
+    assert common >= 32, common  # at least two whole pages of the system prompt
+    solo = [tok.decode(bundle.generate(i, MAX_TOKENS, device="cpu", eos=bundle.eos_token_ids)) for i in ids]
+    assert chat_messages(native_server, asks[0]) == (200, solo[0])
+    hits, reused = metric(native_server, "zlc_engine_prefix_hits"), metric(native_server, "zlc_engine_prefix_tokens")
+    assert chat_messages(native_server, asks[1]) == (200, solo[1])
+    assert metric(native_server, "zlc_engine_prefix_hits") == hits + 1
+    assert metric(native_server, "zlc_engine_prefix_tokens") == reused + common // 16 * 16
+    wait_for("all pages back", lambda: all_pages_back(native_server), timeout=10)
+    assert metric(native_server, "zlc_engine_pages_cached") >= common // 16

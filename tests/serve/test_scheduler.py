@@ -240,3 +240,106 @@ def test_sampled_rows_keep_their_own_generator(bundle: Any, sessions: Any) -> No
     d.run()
     assert [d.tokens(i) for i in (1, 2, 3)] == want
     release(b, sessions)
+
+
+def test_a_shared_prefix_comes_from_the_slot_cache(bundle: Any, sessions: Any, solo: Any) -> None:
+    """SequentialBatch keeps an idle session's cache: a request starting as an earlier one did takes
+    that session and prefills only its own suffix (a hit in the scheduler's counters), with its
+    solo tokens; off (reuse_prefixes=False), nothing is reused and the tokens are the same."""
+    shared = prompt_of(7, 30, bundle.vocab)
+    prompts = [shared + prompt_of(i, 5, bundle.vocab) for i in range(3)]
+    for reuse in (True, False):
+        make, _ = sessions
+        b = SequentialBatch(make, max_seq=bundle.max_seq, max_seqs=2, max_rows=40, reuse_prefixes=reuse)
+        d = Driver(b, bundle, max_batch=1, prefill_chunk=16)  # one at a time: each follows the last
+        for i, p in enumerate(prompts, 1):
+            d.s.submit(Request(i, p, MAX_NEW))
+        d.run()
+        for i, p in enumerate(prompts, 1):
+            assert d.tokens(i) == solo(p, MAX_NEW), (reuse, i)
+        if reuse:
+            assert d.s.stats.prefix_hits == 2 and d.s.stats.prefix_tokens == 2 * 30
+        else:
+            assert d.s.stats.prefix_hits == 0
+        release(b, sessions)
+
+
+@pytest.fixture(scope="module")
+def native(bundle: Any) -> Any:
+    """(a NativeBatch on the bundle with a budget of 11 pages of 4, solo(prompt, n) on the native
+    kernel alone), shared by the tests (a session starts threads)."""
+    from zlc.codegen.native import find_compiler
+    from zlc.runtime.batch import NativeBatch
+
+    if find_compiler()[0] is None:
+        pytest.skip("no C compiler on this host")
+    cache: dict[tuple[int, ...], list[int]] = {}
+    with bundle.session("cpu", threads=2) as s, \
+            NativeBatch(bundle.path, bundle.manifest, threads=2, page_size=4, pages=11) as nb:
+        def run(prompt: list[int], n: int) -> list[int]:
+            if tuple(prompt) not in cache:
+                cache[tuple(prompt)] = list(s.stream(prompt, MAX_NEW, eos=bundle.eos_token_ids))
+            return cache[tuple(prompt)][:n]
+
+        yield nb, run
+
+
+class NativeDriver(Driver):
+    """Driver over NativeBatch: its own page invariants (refcounts, shared and cached pages) after
+    every step, and each running request's sequence holding what it was fed."""
+
+    def check_pages(self) -> None:
+        self.b.check_pages()  # type: ignore[attr-defined]
+        for j in self.s.running:
+            assert j.seq is not None and self.b.length(j.seq) == j.fed
+
+
+shared_events = st.lists(st.one_of(
+    # arrivals at one step: (which shared prefix, its length, own suffix length, max_tokens) each
+    st.tuples(st.just("arrive"), st.lists(st.tuples(st.integers(0, 1), st.integers(8, 24), st.integers(1, 8),
+                                                    st.integers(1, MAX_NEW)), min_size=1, max_size=3)),
+    st.tuples(st.just("cancel"), st.integers(1, 6)),
+    st.tuples(st.just("step"), st.integers(1, 3)),
+), max_size=10)
+
+
+@settings(max_examples=20, deadline=None)
+@given(events=shared_events, chunk=st.sampled_from([4, 16]))
+@example(events=[("arrive", [(0, 24, 4, 8), (0, 24, 6, 8), (0, 24, 2, 8)]), ("step", 3), ("arrive", [(0, 24, 3, 8)])],
+         chunk=16)  # three share 6 pages while each needs up to 4 more: preemptions, and readmission through the cache
+def test_native_shared_prefixes_with_cancels_and_preemptions(bundle: Any, native: Any, events: list[Any],
+                                                             chunk: int) -> None:
+    """The scheduler over NativeBatch (11 pages of 4 tokens, its prefix cache on): requests sharing
+    random prefixes arrive in bursts, some are cancelled, the youngest are preempted when pages run
+    out and come back through the cache; every finished request has the tokens it gets alone on
+    the native kernel, the page invariants hold after every step and every page is back (free or
+    cached) at the end."""
+    nb, solo = native
+    d = NativeDriver(nb, bundle, max_batch=3, prefill_chunk=chunk)
+    bases = [prompt_of(90 + k, 24, bundle.vocab) for k in range(2)]
+    asked: dict[int, tuple[list[int], int]] = {}
+    cancelled: set[int] = set()
+    hits0, preempted0 = d.s.stats.prefix_hits, d.s.stats.preemptions
+    for kind, a in events:
+        if kind == "arrive":
+            for base, n, m, new in a:
+                rid = len(asked) + 1
+                asked[rid] = (bases[base][:n] + prompt_of(rid + 40, m, bundle.vocab), new)
+                d.s.submit(Request(rid, asked[rid][0], new))
+        elif kind == "cancel" and a in asked:
+            if d.s.cancel(a):
+                cancelled.add(a)
+        else:
+            for _ in range(a):
+                d.step()
+    d.run()
+    nb.check_pages()
+    assert nb.pages_free() == nb.pages_total
+    event(f"prefix hits: {d.s.stats.prefix_hits > hits0}")
+    event(f"preempted: {d.s.stats.preemptions > preempted0}")
+    for rid, (prompt, n) in asked.items():
+        want = solo(prompt, min(n, nb.pages_total * nb.page_size - len(prompt) + 1))
+        if rid in cancelled:
+            assert d.tokens(rid) == want[:len(d.tokens(rid))]
+        else:
+            assert d.tokens(rid) == want, (rid, prompt, n)
