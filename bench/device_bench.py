@@ -129,7 +129,33 @@ class Config:
 
     @staticmethod
     def named(name: str) -> Config:
-        return MODELS[name]
+        return MODELS[name.split("+")[0]]  # "smollm2-135m+t64k64": the model under a tiling variant
+
+
+# Tiling variants for a sweep on the device: `--models smollm2-135m+t64k64` prepares the same model
+# with these fields of its GPU Tiling replaced (codegen/schedule.tiling_for). Prefill (and batched
+# rows) run their Linear as tl.dot tiles of block_t rows x block_n columns x block_kd; the first
+# H200 run measured 248 µs per prefill Linear task at 16 x 32 x 32, latency-bound on its ~144
+# dependent load rounds, so the sweep tries fewer, larger tiles.
+VARIANTS: dict[str, dict[str, int]] = {
+    "t32": {"block_t": 32},
+    "t64": {"block_t": 64},
+    "t32k64": {"block_t": 32, "block_kd": 64},
+    "t64k64": {"block_t": 64, "block_kd": 64},  # 2,484 spill stores in the prefill kernel (sm_90)
+}
+
+
+def variant_of(name: str) -> dict[str, int]:
+    if "+" not in name:
+        return {}
+    tag = name.split("+", 1)[1]
+    if tag not in VARIANTS:
+        raise SystemExit(f"unknown tiling variant '{tag}' in '{name}' (known: {', '.join(VARIANTS)})")
+    return VARIANTS[tag]
+
+
+def model_order(name: str) -> tuple[int, str]:
+    return list(MODELS).index(name.split("+")[0]), name
 
 
 MODELS = {c.name: c for c in (
@@ -364,9 +390,21 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
         old = json.loads((out / "index.json").read_text())
         if all(old.get(k) == index[k] for k in ("target", "max_seq", "seed", "prompt_len")):
             index["models"] = [m for m in old["models"] if m["name"] not in names and (out / m["dir"]).is_dir()]
+    import dataclasses
+
+    import zlc.codegen.schedule as sched
+
+    plain_tiling = sched.tiling_for
     for name in names:
         cfg = Config.named(name)
         t0 = time.perf_counter()
+        overrides = variant_of(name)
+
+        def tiling_for(*args: Any, _o: dict[str, int] = overrides, **kw: Any) -> Any:
+            t = plain_tiling(*args, **kw)
+            return dataclasses.replace(t, **_o) if _o and t.grid > 0 and t.num_warps > 1 else t  # GPU tilings only
+
+        sched.tiling_for = tiling_for  # build.py imports it at call time
         model = Llama(cfg)
         init_weights(model, SEED, "cpu")
         model.eval()
@@ -401,12 +439,16 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
         (slim / "bench_model.json").write_text(json.dumps(info, indent=1) + "\n")
         size = sum(p.stat().st_size for p in slim.rglob("*") if p.is_file())
         index["models"].append({"name": name, "dir": slim.name, "bytes": size})
-        index["models"].sort(key=lambda m: list(MODELS).index(m["name"]))
+        index["models"].sort(key=lambda m: model_order(m["name"]))
+        res_pre = tgt["prefill"].get("resources", {})
+        print(f"{name}: prefill kernel {res_pre.get('registers')} registers, {res_pre.get('spill_stores')} spill stores;"
+              f" tiling overrides {overrides or 'none'}", flush=True)
         print(f"{name}: {len(roles)} constants, {len(roles) - len(extras)} parameters, extras "
               f"{sorted(extras)} (W entries without a parameter: {missing or 'none'}); "
               f"{size / 1e6:.2f} MB carried; {time.perf_counter() - t0:.0f} s", flush=True)
         del model, w
         (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    sched.tiling_for = plain_tiling
     total = sum(m["bytes"] for m in index["models"])
     if total > 60 * 2 ** 20:
         print(f"WARNING: {total / 2 ** 20:.1f} MiB; the run tool carries 64 MiB in all (prepare fewer models)")
@@ -829,7 +871,8 @@ def stop_if_stuck(exc: BaseException, out: Path, res: dict[str, Any]) -> None:
     os._exit(3)
 
 
-def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | None, device: str = "cuda:0") -> int:
+def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | None, device: str = "cuda:0",
+               peers: bool = True) -> int:
     start = time.perf_counter()
 
     def left() -> float:
@@ -940,7 +983,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             stop_if_stuck(exc, out, res)
         print(f"{name}: zlc {r['engines']}", flush=True)
     write_report(out, res)
-    for name, m in loaded.items():
+    for name, m in loaded.items() if peers else ():
         r = res["models"][name]
         res["phase"] = f"{name}: PyTorch eager timing"
         st = Stepper(m.base, int(m.manifest["model"]["max_seq"]), torch.bfloat16, dev)
@@ -957,7 +1000,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
         print(f"{name}: eager {r['engines'].get('torch eager bf16')}", flush=True)
     write_report(out, res)
     # torch.compile costs a minute or more per model: the largest first, the smoke-test model never
-    for name in sorted((n for n in loaded if n != "tiny"), key=lambda n: -loaded[n].cfg.hidden * loaded[n].cfg.layers):
+    for name in sorted((n for n in loaded if n != "tiny" and peers), key=lambda n: -loaded[n].cfg.hidden * loaded[n].cfg.layers):
         m, r = loaded[name], res["models"][name]
         if left() < 150:
             r["engines"]["torch.compile reduce-overhead"] = {"skipped": f"skipped: {left():.0f} s of budget left"}
@@ -993,6 +1036,7 @@ def main() -> int:
     ap.add_argument("--max-seq", type=int, default=MAX_SEQ)
     ap.add_argument("--target", default="h200")
     ap.add_argument("--budget-s", type=float, default=420.0, help="device run: stop optional work after this")
+    ap.add_argument("--no-peers", action="store_true", help="device run: zlc only (no PyTorch eager / torch.compile)")
     a = ap.parse_args()
     import logging
 
@@ -1000,7 +1044,7 @@ def main() -> int:
     if a.prepare:
         prepare(a.models or list(MODELS), a.inputs, a.max_seq, a.target)
         return 0
-    return run_device(a.inputs, a.out, a.budget_s, a.models)
+    return run_device(a.inputs, a.out, a.budget_s, a.models, peers=not a.no_peers)
 
 
 if __name__ == "__main__":

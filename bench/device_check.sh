@@ -37,6 +37,8 @@
 #                 largest model first; rows it cannot start are marked skipped.
 # Run it with the device tool's timeout_s >= 470 (the machine's start is extra). A rerun on a warm
 # machine can take a subset: MODELS="tiny smollm2-135m" TOTAL_S=240 bash bench/device_check.sh.
+# BENCH_ARGS passes further options to device_bench.py (e.g. "--no-peers" for a zlc-only sweep of
+# tiling variants prepared as `--models smollm2-135m+t64k64 ...`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -86,9 +88,9 @@ cat "$OUT/env.txt"
 LIMIT_S=$((TOTAL_S - SECONDS - 10))  # SECONDS: bash's clock since the script started
 BUDGET_S=${BUDGET_S:-$((LIMIT_S - 80))}  # after this the benchmark skips optional work and reports
 echo "benchmark: hard limit ${LIMIT_S} s (+10 s to SIGKILL), budget ${BUDGET_S} s, ${SECONDS} s used so far"
-# shellcheck disable=SC2086  # MODELS is a list of names
+# shellcheck disable=SC2086  # MODELS and BENCH_ARGS are lists of words
 timeout --kill-after=10 "$LIMIT_S" $PY bench/device_bench.py --out "$OUT" --budget-s "$BUDGET_S" \
-    ${MODELS:+--models $MODELS} 2>&1 \
+    ${MODELS:+--models $MODELS} ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/device_bench.log"
 rc=${PIPESTATUS[0]}
 echo "device_bench exit status $rc after ${SECONDS} s in all"
