@@ -102,6 +102,7 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
             raise click.UsageError("give --device or --devices, not both")
         for d in parse_devices(devices):  # a bad SPEC (or --threads for it) is refused before loading
             d.threads(threads)
+            d.env()
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
                         devices=devices,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,

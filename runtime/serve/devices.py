@@ -2,7 +2,8 @@
 
     cpu:0-1,cpu:2-3      two native (C megakernel) engines, on cores 0-1 and 2-3
     cpu:0,2,cpu:1,3      the same with core lists: numbers without a kind continue the previous list
-    cuda:0,cuda:1        one engine per GPU (its process sees only that GPU: CUDA_VISIBLE_DEVICES)
+    cuda:0,cuda:1        one engine per GPU (its process sees only that GPU: CUDA_VISIBLE_DEVICES;
+                         the numbers count the GPUs this process sees)
     reference:0,reference:1   the bundle's IR with torch, one engine per core
     cpu                  one native engine on every core this process may use (= --device cpu)
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from zlc.deploy.topology import format_cpulist
@@ -51,9 +52,20 @@ class Device:
             return f"{self.kind}:{format_cpulist(self.cores)}"
         return self.kind
 
-    def env(self) -> dict[str, str]:
-        """Environment the engine process adds (a GPU engine sees its GPU as device 0)."""
-        return {"CUDA_VISIBLE_DEVICES": str(self.gpu)} if self.gpu is not None else {}
+    def env(self, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """Environment the engine process adds: a GPU engine sees only its GPU (as device 0). The
+        index counts the GPUs this process sees: through CUDA_VISIBLE_DEVICES when that is set."""
+        if self.gpu is None:
+            return {}
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return {"CUDA_VISIBLE_DEVICES": str(self.gpu)}
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if self.gpu >= len(ids):
+            raise DeviceSpecError(f"bad --devices part '{self.label}': CUDA_VISIBLE_DEVICES={visible} leaves "
+                                  f"{len(ids)} GPU(s) visible (cuda:0-{len(ids) - 1})" if ids else
+                                  f"bad --devices part '{self.label}': CUDA_VISIBLE_DEVICES is empty: no GPU visible")
+        return {"CUDA_VISIBLE_DEVICES": ids[self.gpu]}
 
     def threads(self, requested: int | None) -> int:
         """The executor's threads: --threads when given (per engine), else one per core of the

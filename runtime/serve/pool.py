@@ -135,8 +135,8 @@ class EnginePool:
     def submit(self, request: Request, handler: ResultHandler) -> bool:
         """Sends the request to its engine (router.py), or the next best when that one's ring is
         full; False when no engine is up or every ring is full."""
-        if len(self.engines) == 1:  # nothing to choose: no routing work
-            return self._submit_to(0, request, handler, "least_loaded")
+        if len(self.engines) == 1:  # nothing to choose: today's path, no wrapper on the token path
+            return self.engines[0].submit(request, handler)
         loads = self.loads()
         if not any(ld is not None for ld in loads):
             return False
@@ -162,6 +162,8 @@ class EnginePool:
         return True
 
     def cancel(self, request_id: int) -> None:
+        if len(self.engines) == 1:
+            return self.engines[0].cancel(request_id)
         routed = self.routes.pop(request_id, None)
         if routed is not None:
             routed.settle()

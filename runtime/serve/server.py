@@ -130,15 +130,17 @@ class Server:
     def _engines(self, o: ServeOptions) -> EnginePool:
         """One supervised engine per device (--devices), or the one on --device."""
         devices = [Device(o.device)] if o.devices is None else parse_devices(o.devices)
-        threads = [d.threads(o.threads) for d in devices]  # (a bad --threads is refused before any start)
+        # a bad --threads or GPU index is refused before any engine starts
+        threads = [d.threads(o.threads) for d in devices]
+        envs = [d.env() for d in devices]
         supervisors = []
-        for i, (d, n) in enumerate(zip(devices, threads, strict=True)):
+        for i, (d, n, env) in enumerate(zip(devices, threads, envs, strict=True)):
             # "auto" is cuda or cpu: the deadline is the one of the device the engine will run
             kind = self.bundle.resolve_device(d.kind) if d.kind == "auto" else d.kind
             supervisors.append(EngineSupervisor(
                 functools.partial(EngineClient, str(self.bundle.path), d.kind, max_queue=o.max_queue,
                                   spin_us=o.spin_us, threads=n, max_batch=o.max_batch, kv_pages=o.kv_pages,
-                                  prefill_chunk=o.prefill_chunk, cpus=d.cores, env=d.env()),
+                                  prefill_chunk=o.prefill_chunk, cpus=d.cores, env=env),
                 step_deadline_s=o.step_deadline_s or step_deadline_s(kind), policy=o.restart,
                 on_give_up=self._give_up, on_restart=functools.partial(self._count_restart, i),
                 name=d.label if len(devices) > 1 else None))

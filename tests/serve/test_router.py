@@ -27,6 +27,14 @@ def test_specs_name_engines_in_order() -> None:
                                                                                          "cuda:0"]
 
 
+def test_a_gpu_index_counts_the_visible_gpus() -> None:
+    d = parse_devices("cuda:1", CORES)[0]
+    assert d.env({}) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert d.env({"CUDA_VISIBLE_DEVICES": "4,6"}) == {"CUDA_VISIBLE_DEVICES": "6"}
+    with pytest.raises(DeviceSpecError, match=r"'cuda:1': CUDA_VISIBLE_DEVICES=3 leaves 1 GPU\(s\) visible"):
+        d.env({"CUDA_VISIBLE_DEVICES": "3"})
+
+
 def test_threads_default_to_a_devices_cores() -> None:
     d = Device("cpu", frozenset({2, 3}))
     assert d.threads(None) == 2 and d.threads(1) == 1 and Device("cpu").threads(None) == 1
