@@ -87,6 +87,14 @@ def engine_pids(server: Any) -> dict[int, int]:
     return out
 
 
+def resume(pid: int) -> None:
+    """SIGCONT, unless the process is gone (killed and reaped)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
 def routed(server: Any, engine: int, how: str | None = None) -> float:
     labels = {"engine": str(engine)} | ({"how": how} if how else {})
     return metric(server, "zlc_routed_total", **labels)
@@ -152,7 +160,7 @@ def test_a_shared_system_prompt_stays_on_its_engine_until_it_is_too_busy(two: An
             os.kill(pid, signal.SIGCONT)
             assert {q: f.result(timeout=60) for q, f in futures.items()} == {q: (200, want[q]) for q in futures}
     finally:
-        os.kill(pid, signal.SIGCONT)
+        resume(pid)
 
 
 def test_a_killed_engine_fails_its_requests_the_other_serves_on_and_it_is_restarted(two: Any, bundle: Any) -> None:
@@ -169,7 +177,7 @@ def test_a_killed_engine_fails_its_requests_the_other_serves_on_and_it_is_restar
             os.kill(pids[victim], signal.SIGKILL)
         finally:
             for pid in pids.values():
-                os.kill(pid, signal.SIGCONT)
+                resume(pid)
         status, body = stuck.result(timeout=60)  # today's single-engine error: 503 before any token
         assert status == 503 and "not available" in body, body
     wait_for("the dead engine reaped", lambda: process_state(pids[victim]) is None, timeout=10)
