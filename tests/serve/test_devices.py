@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,30 @@ def _samples(server: Any, name: str) -> list[Any]:
 
     _, text = get(server, "/metrics")
     return [s for f in text_string_to_metric_families(str(text)) for s in f.samples if s.name == name]
+
+
+def test_tcp_frames_are_routed_over_both_engines(two: Any, bundle: Any) -> None:
+    """Four frame requests in one packet: submitted one after another, each to the least loaded
+    (prompts under a page: no affinity), so they alternate; each gets its greedy tokens."""
+    from zlc.runtime.serve import frames
+
+    prompts = {i: [(31 * i + 7 * k) % 250 + 3 for k in range(9)] for i in range(1, 5)}
+    before = [routed(two, e, "least_loaded") for e in (0, 1)]
+    got: dict[int, list[int]] = {i: [] for i in prompts}
+    with socket.create_connection((two.host, two.frame_port), timeout=60) as sock:
+        sock.sendall(b"".join(frames.encode_request(i, p, 10) for i, p in prompts.items()))
+        buf, pending = bytearray(), set(prompts)
+        while pending:
+            data = sock.recv(65536)
+            assert data, "the server closed the connection"
+            buf += data
+            for f in frames.decode_results(buf):
+                assert not f.flags & frames.FrameFlag.ERROR, f
+                got[f.request_id] += f.tokens
+                if f.flags & frames.FrameFlag.LAST:
+                    pending.discard(f.request_id)
+    assert got == {i: bundle.generate(p, 10, device="cpu", eos=bundle.eos_token_ids) for i, p in prompts.items()}
+    assert [routed(two, e, "least_loaded") - before[e] for e in (0, 1)] == [2, 2]
 
 
 def test_a_shared_system_prompt_stays_on_its_engine_until_it_is_too_busy(two: Any, bundle: Any) -> None:
