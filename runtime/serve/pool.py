@@ -15,6 +15,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from zlc.errors import ZlcError
+
 from .devices import Device
 from .engine_client import ResultHandler
 from .protocol import EngineError, ResultFlag
@@ -70,10 +72,13 @@ class EnginePool:
         """Every engine, loaded side by side; ZlcError (the first failure) if any does not start,
         after closing the others."""
         results = await asyncio.gather(*(e.start() for e in self.engines), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        failed = [(d, r) for d, r in zip(self.devices, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             await self.close()
-            raise failed[0]
+            device, error = failed[0]
+            if len(self.engines) > 1 and isinstance(error, ZlcError):
+                raise ZlcError(f"{device.label}: {error}") from None
+            raise error
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))

@@ -226,6 +226,8 @@ def test_a_killed_engine_fails_its_requests_the_other_serves_on_and_it_is_restar
     (("--devices", "cpu:0,tpu:1"), "bad --devices part 'tpu:1': unknown device 'tpu'"),
     (("--devices", "cpu:0-1", "--threads", "3"), "--threads 3 is more than the 2 core(s) of cpu:0-1"),
     (("--devices", "cpu:0", "--device", "cpu"), "give --device or --devices, not both"),
+    # no GPU here: the cuda engine's start fails (the cpu one is stopped), named by its device
+    (("--devices", "cpu:0,cuda:0"), "cuda:0: the engine failed to start"),
 ])
 def test_bad_devices_are_one_line_errors(chat_bundle: Path, args: tuple[str, ...], message: str) -> None:
     out = subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(chat_bundle), "--port", "0", *args],
