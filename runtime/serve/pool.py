@@ -52,9 +52,13 @@ class _Routed:
 
 
 class EnginePool:
-    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor], page_size: int):
+    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor], page_size: int,
+                 capacity: int | None = None):
+        """`capacity`: the requests one engine holds (its batch and its queue): one with that many
+        in flight keeps no request by affinity (it would refuse it as overloaded)."""
         assert len(devices) == len(supervisors) >= 1
         self.devices, self.engines = list(devices), list(supervisors)
+        self.capacity = capacity
         self.router = PrefixRouter(page_size)
         self.routes: dict[int, _Routed] = {}  # request id -> its engine, while in flight
         self.queued_tokens = [0] * len(self.engines)
@@ -134,8 +138,9 @@ class EnginePool:
         return rid
 
     def loads(self) -> list[Load | None]:
-        return [Load(e.in_flight, self.queued_tokens[i], e.restarts) if e.up else None
-                for i, e in enumerate(self.engines)]
+        cap = self.capacity
+        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, cap is not None and e.in_flight >= cap)
+                if e.up else None for i, e in enumerate(self.engines)]
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
         """Sends the request to its engine (router.py), or the next best when that one's ring is

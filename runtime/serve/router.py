@@ -12,7 +12,8 @@ The rule (docs/serving.md, "Several devices"):
    while its in-flight count exceeds the least loaded's by at most ``slack = min(pages //
    PAGES_PER_EXTRA_REQUEST, MAX_SLACK)``: every 4 pages (64 tokens) it already holds are worth one
    more request waiting there, up to 8. A match of 1-3 pages (a chat template's opening, which every
-   request shares) only breaks ties, so it never herds all traffic onto one engine.
+   request shares) only breaks ties, so it never herds all traffic onto one engine. An engine whose
+   batch and queue are full (it would answer "overloaded") keeps nothing.
 3. Whatever engine serves a request becomes the one that "last served" each of its pages. An
    engine that is restarted has an empty cache: its entries stop counting (``epoch``).
 
@@ -41,6 +42,7 @@ class Load:
     in_flight: int  # requests submitted and not finished
     queued_tokens: int = 0  # prompt tokens sent whose first token has not come back
     epoch: int = 0  # changes when the engine is replaced (its prefix cache is then empty)
+    full: bool = False  # its batch and queue are full: a request sent there would be refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +85,7 @@ class PrefixRouter:
         slack = min(pages // PAGES_PER_EXTRA_REQUEST, MAX_SLACK)
         busy, free = loads[held], loads[least]
         assert busy is not None and free is not None
-        if busy.in_flight <= free.in_flight + slack:
+        if not busy.full and busy.in_flight <= free.in_flight + slack:
             return Route(held, "affinity", pages)
         return Route(least, "rebalanced", pages)
 

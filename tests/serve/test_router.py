@@ -96,6 +96,8 @@ def test_affinity_holds_within_the_slack_and_rebalances_beyond() -> None:
     r.served(keys(42), 1, 0)
     assert r.choose(keys(42, 3), [Load(0), Load(0)]).engine == 1
     assert r.choose(keys(42, 3), [Load(0), Load(1)]).how == "rebalanced"
+    # an engine with a full batch and queue keeps nothing (it would refuse the request)
+    assert r.choose(keys(*system, 2), [Load(1, full=True), Load(0)]).how == "rebalanced"
     # a restarted engine (epoch changed) holds nothing any more
     assert r.choose(keys(*system, 2), [Load(1, epoch=1), Load(0)]).how == "least_loaded"
 
@@ -112,7 +114,8 @@ def test_the_longest_held_run_wins() -> None:
 @given(history=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=0, max_size=12), st.integers(0, 2)),
                         max_size=20),
        prompt=st.lists(st.integers(0, 3), max_size=12),
-       loads=st.lists(st.one_of(st.none(), st.builds(Load, st.integers(0, 20), st.integers(0, 100))),
+       loads=st.lists(st.one_of(st.none(), st.builds(Load, st.integers(0, 20), st.integers(0, 100),
+                                                      full=st.booleans())),
                       min_size=3, max_size=3).filter(lambda ls: any(ld is not None for ld in ls)))
 def test_routes_follow_the_documented_rule(history: list[tuple[list[int], int]], prompt: list[int],
                                            loads: list[Load | None]) -> None:
@@ -135,7 +138,7 @@ def test_routes_follow_the_documented_rule(history: list[tuple[list[int], int]],
         return
     assert route.pages == run
     slack = min(run // PAGES_PER_EXTRA_REQUEST, MAX_SLACK)
-    if loads[held].in_flight <= loads[least].in_flight + slack:  # type: ignore[union-attr]
+    if not loads[held].full and loads[held].in_flight <= loads[least].in_flight + slack:  # type: ignore[union-attr]
         assert (route.engine, route.how) == (held, "affinity")
     else:
         assert (route.engine, route.how) == (least, "rebalanced")
