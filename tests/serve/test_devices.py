@@ -105,7 +105,10 @@ def routed(server: Any, engine: int, how: str | None = None) -> float:
 def two(chat_bundle: Path, server_process: Any) -> Any:
     s = server_process(chat_bundle, "--devices", "cpu:0,cpu:1", "--threads", "1", "--max-batch", "4")
     yield s
-    s.stop()
+    pids = engine_pids(s)
+    log = s.stop()  # SIGTERM: the drain stops both engines and the server exits 0
+    assert s.proc.returncode == 0 and "stopped after" in log, log
+    assert all(process_state(pid) is None for pid in pids.values())
 
 
 def test_both_engines_serve_concurrent_streams_each_with_its_solo_text(two: Any, bundle: Any) -> None:
