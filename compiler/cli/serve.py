@@ -29,6 +29,11 @@ from .common import cli, err_console
               help="Executor: auto = cuda when there is a GPU the bundle has a cubin for, else cpu; cpu = the "
               "native C megakernel; interpret = the Triton kernel in Triton's interpreter; cuda = its cubin; "
               "reference = the bundle's IR with torch on the CPU.")
+@click.option("--devices", "devices", metavar="SPEC", default=None,
+              help="Run one engine per device behind this one server, each request routed to the least "
+              "loaded engine, preferring the one that last served its prompt's prefix: cpu:0-1,cpu:2-3 (native "
+              "engines on those cores), cuda:0,cuda:1 (one per GPU), reference:0,reference:1. --max-batch, "
+              "--kv-pages, --threads... apply to each engine [default: one engine on --device].")
 @click.option("--frame-port", type=click.IntRange(0, 65535), default=None,
               help="Also accept binary token frames over TCP on this port (docs/frames.md).")
 @click.option("--udp-port", type=click.IntRange(0, 65535), default=None,
@@ -45,9 +50,9 @@ from .common import cli, err_console
 @click.option("--spin-us", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Microseconds the engine polls the request ring before it sleeps: lower wake-up "
               "latency for a core that does nothing else (an isolated serving core); 0 sleeps at once.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="CPU threads of the executor (reference/cpu devices): raise for big models on many "
-              "cores; 1 keeps small models' latency steady.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads of each engine's executor (reference/cpu devices): raise for big models on many "
+              "cores; 1 keeps small models' latency steady [default: 1; with --devices, each part's core count].")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests the engine runs side by side (continuous batching): each step gives every "
               "running one its next token. More shortens the wait under load and, on cpu (the native kernel's "
@@ -80,9 +85,10 @@ from .common import cli, err_console
               help="Allow frame ports (--frame-port/--udp-port/--xdp) beyond loopback without --api-key.")
 @click.option("--metrics-public", is_flag=True, help="Serve /metrics without the API key when --api-key is set.")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
-          frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int, max_body: int,
-          request_timeout: float, spin_us: float, threads: int, max_batch: int, kv_pages: int | None,
-          prefill_chunk: int, prefix_cache_pages: int | None, drain_timeout: float, step_deadline: float | None,
+          devices: str | None, frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int,
+          max_body: int, request_timeout: float, spin_us: float, threads: int | None, max_batch: int,
+          kv_pages: int | None, prefill_chunk: int, prefix_cache_pages: int | None, drain_timeout: float,
+          step_deadline: float | None,
           restart_limit: int, restart_window: float, insecure_frames: bool, metrics_public: bool) -> None:
     """Serve a compiled BUNDLE: the Anthropic Messages API (POST /v1/messages) and OpenAI's chat
     completions (POST /v1/chat/completions), both with SSE streaming; GET /v1/models, /health,
@@ -91,12 +97,20 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
     Runs until Ctrl-C / SIGTERM, then drains (--drain-timeout). The engine (one process owning the
     executor) and this ingress talk through shared-memory rings; an engine that exits or hangs is
     restarted (docs/serving.md). With --api-key, frames authenticate too (docs/frames.md)."""
+    from zlc.runtime.serve.devices import parse_devices
     from zlc.runtime.serve.http import HttpLimits
     from zlc.runtime.serve.server import ServeOptions
     from zlc.runtime.serve.server import run as run_server
     from zlc.runtime.serve.supervisor import RestartPolicy
 
+    if devices is not None:
+        if click.get_current_context().get_parameter_source("device") != click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("give --device or --devices, not both")
+        for d in parse_devices(devices):  # a bad SPEC (or --threads for it) is refused before loading
+            d.threads(threads)
+            d.env()
     opts = ServeOptions(host=host, port=port, api_key=api_key or None, model_name=model_name, device=device,
+                        devices=devices,
                         frame_port=frame_port, udp_port=udp_port, xdp=xdp, max_queue=max_queue, spin_us=spin_us,
                         threads=threads, max_batch=max_batch, kv_pages=kv_pages, prefill_chunk=prefill_chunk,
                         prefix_cache_pages=prefix_cache_pages,
@@ -105,7 +119,8 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
                         restart=RestartPolicy(limit=restart_limit, window_s=restart_window),
                         insecure_frames=insecure_frames, metrics_public=metrics_public)
     err = err_console()
-    err.print(f"[dim]zlc serve: loading {escape(str(bundle))} on {device}…[/]")
+    on = devices or device
+    err.print(f"[dim]zlc serve: loading {escape(str(bundle))} on {escape(on)}…[/]")
 
     def announce(server: Any) -> None:
         a = server.addresses
@@ -118,9 +133,9 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
         if "xdp" in a:
             parts.append(f"XDP on {a['xdp'][0]}")
         # one machine-readable line on stdout (scripts and tests wait for it), the rest on stderr
-        click.echo(json.dumps({"event": "listening", "model": server.model, "device": device,
+        click.echo(json.dumps({"event": "listening", "model": server.model, "device": on,
                                **{k: list(v) for k, v in a.items()}}), nl=True)
         sys.stdout.flush()
-        err.print(f"zlc serve: {escape(server.model)} on {device}: " + ", ".join(parts))
+        err.print(f"zlc serve: {escape(server.model)} on {escape(on)}: " + ", ".join(parts))
 
     run_server(str(bundle), opts, announce)

@@ -186,6 +186,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def _confine(cpus: set[int]) -> None:
+    """Runs this process on `cpus` only (zlc serve --devices cpu:0-1): every thread it has now
+    (imports start some, e.g. a BLAS pool) and, since threads inherit the mask, every thread the
+    executor starts later, so that engines on disjoint cores never share one."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that has ended since
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zlc.runtime.serve.engine", description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
@@ -203,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-cache-pages", type=int, default=None,
                     help="most KV pages the prefix cache keeps (default: the backend's; 0: off)")
     ap.add_argument("--stats-fd", type=int, default=None, help="memfd for EngineStats (the ingress reads it)")
+    ap.add_argument("--cpus", default=None, help="comma-separated cores this process (and its executor's threads) "
+                    "runs on (zlc serve --devices cpu:0-1)")
     args = ap.parse_args(argv)
+    if args.cpus:
+        _confine({int(c) for c in args.cpus.split(",")})
     parent = os.getppid()
     _die_with_parent()
     ready = os.fdopen(args.ready_fd, "w")

@@ -38,8 +38,12 @@ class ResultHandler(Protocol):
 class EngineClient:
     def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, request_capacity: int = 256,
                  result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1, max_batch: int = 8,
-                 kv_pages: int | None = None, prefill_chunk: int = 64, prefix_cache_pages: int | None = None):
+                 kv_pages: int | None = None, prefill_chunk: int = 64, prefix_cache_pages: int | None = None,
+                 cpus: frozenset[int] | None = None, env: dict[str, str] | None = None):
+        """`cpus`: the cores the engine process is confined to (None: this process's); `env`:
+        variables it adds to its environment (CUDA_VISIBLE_DEVICES for one GPU of several)."""
         self.bundle, self.device = bundle, device
+        self.cpus, self.env = cpus, env or {}
         self.max_queue, self.spin_us, self.threads = max_queue, spin_us, threads
         self.max_batch, self.kv_pages, self.prefill_chunk = max_batch, kv_pages, prefill_chunk
         self.prefix_cache_pages = prefix_cache_pages
@@ -72,9 +76,11 @@ class EngineClient:
             cmd += ["--kv-pages", str(self.kv_pages)]
         if self.prefix_cache_pages is not None:
             cmd += ["--prefix-cache-pages", str(self.prefix_cache_pages)]
+        if self.cpus is not None:
+            cmd += ["--cpus", ",".join(map(str, sorted(self.cpus)))]
         # Its own process group: killing a hung engine takes the executor's worker processes along.
         self.proc = subprocess.Popen(cmd, pass_fds=(self.request_fd, self.result_fd, w, self.stats.fd), stdin=subprocess.DEVNULL,
-                                     process_group=0)
+                                     process_group=0, env={**os.environ, **self.env} if self.env else None)
         os.close(w)
         self._pidfd = os.pidfd_open(self.proc.pid)
         try:

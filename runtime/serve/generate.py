@@ -38,7 +38,7 @@ def engine_error(server: ServerState, code: int) -> ApiError:
     if code == EngineError.BAD_REQUEST:
         return ApiError("invalid_request_error", "the model refused the prompt (see the server log)")
     if code == EngineError.KV_BUDGET:
-        pages = int(server.engine.engine_stat("pages_total"))
+        pages = server.engine.kv_pages()
         return ApiError("invalid_request_error", f"prompt is too long for the engine's whole KV cache budget "
                         f"(--kv-pages {pages}); send a shorter prompt or raise --kv-pages")
     if code == EngineError.UNAVAILABLE:

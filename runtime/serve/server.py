@@ -21,6 +21,7 @@ exits 0. A second signal ends the wait at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import os
@@ -34,16 +35,19 @@ from typing import Any
 import orjson
 
 from zlc.errors import ZlcError
+from zlc.runtime.batch import DEFAULT_PAGE_SIZE
 
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
 from .api_common import Api, ApiError
 from .api_openai import OPENAI
+from .devices import Device, parse_devices
 from .engine_client import EngineClient
 from .frame_ingress import FrameConnection, FrameDatagram
 from .generate import error_response, generate
 from .http import HttpConnection, HttpLimits, HttpRequest, serve_http
 from .metrics import ServerMetrics
+from .pool import EnginePool
 from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
@@ -66,11 +70,12 @@ class ServeOptions:
     api_key: str | None = None
     model_name: str | None = None  # default: the bundle's model name
     device: str = "auto"  # cuda when there is a GPU the bundle has a cubin for, else the native CPU kernel
+    devices: str | None = None  # several engines, one per device ("cpu:0-1,cpu:2-3"; devices.py); None: one on device
     frame_port: int | None = None  # TCP binary frames (None: off, 0: any free port)
     udp_port: int | None = None  # UDP binary frames
     max_queue: int = 32  # requests waiting in the engine before new ones get "overloaded"
     spin_us: float = 0.0  # the engine polls its ring this long before sleeping (for isolated cores)
-    threads: int = 1  # the executor's CPU threads (reference / cpu devices)
+    threads: int | None = None  # the executor's CPU threads per engine (None: 1, or a --devices part's core count)
     max_batch: int = 8  # sequences the engine runs side by side (continuous batching)
     kv_pages: int | None = None  # the engine's KV budget in pages (None: max_batch full contexts)
     prefill_chunk: int = 64  # prompt tokens prefilled per step (TTFT vs inter-token latency)
@@ -107,18 +112,8 @@ class Server:
         self.tokenizer = self.bundle.tokenizer
         self.encoder = PromptEncoder(self.tokenizer, self.max_seq) if self.tokenizer is not None else None
         self.frame_key = frame_auth.key_bytes(o.api_key) if o.api_key else None
-        # "auto" is cuda or cpu: the deadline is the one of the device the engine will run
-        device = self.bundle.resolve_device(o.device) if o.device == "auto" else o.device
-        deadline = o.step_deadline_s or step_deadline_s(device)
-        self.engine = EngineSupervisor(
-            lambda: EngineClient(str(self.bundle.path), o.device, max_queue=o.max_queue, spin_us=o.spin_us,
-                                 threads=o.threads, max_batch=o.max_batch, kv_pages=o.kv_pages,
-                                 prefill_chunk=o.prefill_chunk, prefix_cache_pages=o.prefix_cache_pages),
-            step_deadline_s=deadline, policy=o.restart, on_give_up=self._give_up,
-            on_restart=lambda kind: self.metrics.engine_restarts.labels(kind).inc())
-        self.metrics = ServerMetrics(lambda: self.engine.in_flight, lambda: self.engine.occupancy("request"),
-                                     lambda: self.engine.occupancy("result"), engine_up=lambda: self.engine.up)
-        self.metrics.watch_engine(self.engine.engine_stat)
+        self.engine = self._engines(o)
+        self.metrics = ServerMetrics(self.engine)
         self.per_api = {api.name: self.metrics.for_api(api.name) for api in APIS}
         self.extra_headers = f"x-zlc-architecture: {ARCHITECTURE}\r\nserver: zlc\r\n".encode()
         self.connections: set[HttpConnection] = set()
@@ -132,6 +127,29 @@ class Server:
         self.failure: str | None = None  # set when the engine cannot be kept alive: exit non-zero
         self._stop_now: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
+
+    def _engines(self, o: ServeOptions) -> EnginePool:
+        """One supervised engine per device (--devices), or the one on --device."""
+        devices = [Device(o.device)] if o.devices is None else parse_devices(o.devices)
+        # a bad --threads or GPU index is refused before any engine starts
+        threads = [d.threads(o.threads) for d in devices]
+        envs = [d.env() for d in devices]
+        supervisors = []
+        for i, (d, n, env) in enumerate(zip(devices, threads, envs, strict=True)):
+            # "auto" is cuda or cpu: the deadline is the one of the device the engine will run
+            kind = self.bundle.resolve_device(d.kind) if d.kind == "auto" else d.kind
+            supervisors.append(EngineSupervisor(
+                functools.partial(EngineClient, str(self.bundle.path), d.kind, max_queue=o.max_queue,
+                                  spin_us=o.spin_us, threads=n, max_batch=o.max_batch, kv_pages=o.kv_pages,
+                                  prefill_chunk=o.prefill_chunk, prefix_cache_pages=o.prefix_cache_pages,
+                                  cpus=d.cores, env=env),
+                step_deadline_s=o.step_deadline_s or step_deadline_s(kind), policy=o.restart,
+                on_give_up=self._give_up, on_restart=functools.partial(self._count_restart, i),
+                name=d.label if len(devices) > 1 else None))
+        return EnginePool(devices, supervisors, DEFAULT_PAGE_SIZE, capacity=o.max_batch + o.max_queue)
+
+    def _count_restart(self, engine: int, kind: str) -> None:
+        self.engine.count_restart(engine, kind)
 
     # -- lifetime
 
@@ -329,9 +347,12 @@ class Server:
         e = self.engine
         status = ("draining" if self.draining else "ok" if e.up
                   else "engine_failed" if e.state == "failed" else "engine_restarting")
-        body: dict[str, Any] = {"status": status, "model": self.model, "device": self.options.device,
+        body: dict[str, Any] = {"status": status, "model": self.model,
+                                "device": self.options.devices or self.options.device,
                                 "in_flight": self.in_flight, "architecture": ARCHITECTURE,
                                 "engine_restarts": e.restarts}
+        if len(e.engines) > 1:
+            body["engines"] = e.engine_health()
         if status != "ok":
             body["reason"] = "the server is shutting down" if self.draining else e.reason
         conn.respond(200 if status == "ok" else 503, orjson.dumps(body),

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from .api_common import ApiError
 from .http import HttpRequest
 from .metrics import ServerMetrics
-from .supervisor import EngineSupervisor
+from .pool import EnginePool
 
 
 class FrameOptions(Protocol):
@@ -26,7 +26,7 @@ class ServerState(Protocol):
     tokenizer: Any  # the bundle's BundleTokenizer, or None
     encoder: Any  # prompts.PromptEncoder, or None without a tokenizer
     frame_key: bytes | None  # the frame MAC key (from --api-key), or None
-    engine: EngineSupervisor
+    engine: EnginePool  # the engines (one per --devices part), routed between
     metrics: ServerMetrics
     per_api: dict[str, Any]  # metric children per API
     tokenizing: set[Any]  # generate.HttpGeneration: requests whose prompt is being tokenized

@@ -58,8 +58,8 @@ class RestartPolicy:
     max_backoff_s: float = 10.0
 
 
-def _log(msg: str) -> None:
-    print(f"zlc serve: {msg}", file=sys.stderr, flush=True)
+def _log(msg: str, name: str | None = None) -> None:
+    print(f"zlc serve: {f'[{name}] ' if name else ''}{msg}", file=sys.stderr, flush=True)
 
 
 class EngineSupervisor:
@@ -68,8 +68,10 @@ class EngineSupervisor:
 
     def __init__(self, make_client: Callable[[], EngineClient], *, step_deadline_s: float,
                  policy: RestartPolicy | None = None, on_give_up: Callable[[str], None] = lambda why: None,
-                 on_restart: Callable[[str], None] = lambda kind: None):
+                 on_restart: Callable[[str], None] = lambda kind: None, name: str | None = None):
+        """`name`: the engine's device, in its log lines, when the server runs several."""
         self.make_client = make_client
+        self.name = name
         self.step_deadline_s = step_deadline_s
         self.policy = policy or RestartPolicy()
         self.on_give_up, self.on_restart = on_give_up, on_restart
@@ -204,7 +206,7 @@ class EngineSupervisor:
         self.client = None
         restart = self.restart_enabled
         _log(f"{why}{'; killed it' if kind == 'hung' else ''}; {ended} request(s) in flight ended with an error"
-             + ("; restarting it" if restart else ""))
+             + ("; restarting it" if restart else ""), self.name)
         if not restart:
             self.state = "stopped"
         else:
@@ -222,7 +224,7 @@ class EngineSupervisor:
         self.state = "failed"
         self.reason = (f"the engine failed {len(self._failures)} times within {self.policy.window_s:g} s "
                        f"(last: {why})")
-        _log(f"{self.reason}; giving up")
+        _log(f"{self.reason}; giving up", self.name)
         self.on_give_up(self.reason)
         return True
 
@@ -246,7 +248,7 @@ class EngineSupervisor:
             except (ZlcError, OSError) as e:
                 client.close()  # (its rings and eventfds; the process is gone)
                 why = f"the engine did not restart: {e}"
-                _log(why)
+                _log(why, self.name)
                 self.reason = why
                 continue
             finally:
@@ -256,5 +258,5 @@ class EngineSupervisor:
                 return
             self.restarts += 1
             self._adopt(client)
-            _log(f"the engine is back (restart {self.restarts})")
+            _log(f"the engine is back (restart {self.restarts})", self.name)
             return
