@@ -6,6 +6,7 @@ gguf's own quantizer. The GGUF frontend's oracle is then Hugging Face on the sam
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,28 @@ def round_trip(w: np.ndarray, qtype: Any) -> np.ndarray:
     from gguf.quants import dequantize, quantize
 
     return dequantize(quantize(w, qtype), qtype).reshape(w.shape).astype(np.float32)
+
+
+#: where each block format keeps its f16 scales (byte offsets in a block) and how large its quants are
+_F16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+_QUANT_RANGE = {"Q4_0": 8, "Q8_0": 127, "Q5_0": 16, "Q4_1": 15, "Q5_1": 31, "Q4_K": 63 * 15, "Q5_K": 63 * 31,
+                "Q6_K": 127 * 32}
+
+
+def random_blocks(rows: int, cols: int, qtype: Any, seed: int, peak: float = 0.1) -> np.ndarray:
+    """uint8 [rows, cols / block * bytes]: blocks of `qtype` with random quants and scale bytes and
+    f16 scales drawn so that weights stay within about +-`peak` (some f16 scales subnormal). What a
+    K-quant tensor of a test file is: gguf has no quantizer for the K-quants."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for o in _F16_FIELDS[qtype.name]:
+        d = (rng.uniform(0.2, 1.0, b.shape[:2]) * peak / _QUANT_RANGE[qtype.name]).astype(np.float16)
+        b[:, :, o:o + 2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
+    return b.reshape(rows, -1)
 
 
 def quantize_model(model: torch.nn.Module, qtype: Any) -> None:
@@ -49,13 +72,17 @@ def byte_tokens(vocab: int) -> list[str]:
 
 def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None,
                      tokenizer: bool = False, chat_template: str | None = None,
-                     config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None) -> Path:
+                     config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None,
+                     types: dict[str, Any] | None = None) -> Path:
     """Writes `model` (a Hugging Face Llama, Qwen2 or Qwen3 causal LM) to `path` as llama.cpp's
     converter does.
     `qtype` (a GGMLQuantizationType): every 2-D weight in that block format (quantize_model makes
     the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids.
     For bad-input tests: `config` overrides config fields in the metadata only (the tensors stay
-    the model's), `raw_types` writes the named tensors as zero bytes of another block format."""
+    the model's), `raw_types` writes the named tensors as zero bytes of another block format.
+    `types`: GGUF tensor name -> its block format, over `qtype`; a format gguf cannot quantize
+    (the K-quants) is written as random_blocks, so that tensor is not the model's (the kernels'
+    oracle is then the reference executor on the file)."""
     from types import SimpleNamespace
 
     import gguf
@@ -100,7 +127,12 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if raw_types and name in raw_types:
+        if types and name in types and a.ndim == 2:
+            t = types[name]
+            quantizable = "quantize_blocks" in vars(getattr(gguf.quants, t.name))
+            blocks = gguf.quants.quantize(a, t) if quantizable else random_blocks(*a.shape, t, zlib.crc32(name.encode()))
+            w.add_tensor(name, blocks, raw_dtype=t)
+        elif raw_types and name in raw_types:
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             w.add_tensor(name, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
                          raw_dtype=raw_types[name])
