@@ -130,7 +130,7 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
         if types and name in types and a.ndim == 2:
             t = types[name]
             quantizable = "quantize_blocks" in vars(getattr(gguf.quants, t.name))
-            blocks = gguf.quants.quantize(a, t) if quantizable else random_blocks(*a.shape, t, zlib.crc32(name.encode()))
+            blocks = gguf.quants.quantize(a, t) if quantizable else random_blocks(a.shape[0], a.shape[1], t, zlib.crc32(name.encode()))
             w.add_tensor(name, blocks, raw_dtype=t)
         elif raw_types and name in raw_types:
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
