@@ -40,11 +40,11 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89]
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
     from zlc.testing.families import hf_model
-    from zlc.testing.gguf_files import write_llama_gguf
+    from zlc.testing.gguf_files import write_gguf
 
     tmp = tmp_path_factory.mktemp("gguf-packed")
     m = hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64, tie_word_embeddings=True)
-    path = write_llama_gguf(m, tmp / "mixed.gguf", types=TYPES)
+    path = write_gguf(m, tmp / "mixed.gguf", types=TYPES)
     out = tmp / "mixed.zlc"
     res = zlc.compile(path, targets=["cpu"], out=out, max_seq=64)
     return path, out, res
