@@ -197,3 +197,17 @@ def test_bad_gguf_is_one_error_line(tmp_path: Path, case: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.stderr
     assert "bad.gguf" in lines[0] and expect in lines[0], lines[0]
     assert not (tmp_path / "out.zlc").exists()
+
+
+def test_a_gated_pair_in_two_formats_stays_dense_and_says_why(tmp_path: Path) -> None:
+    """One descriptor word holds the gated pair's format: gate Q8_0 beside up Q4_0 is dequantized
+    (both named in the report's reasons); the other matrices keep the file's blocks."""
+    q = gguf.GGMLQuantizationType
+    path = write_gguf(hf_model("llama"), tmp_path / "pair.gguf", qtype=q.Q4_0,
+                      types={"blk.0.ffn_gate.weight": q.Q8_0})
+    g = import_gguf(path, 64)
+    gate, up = g.consts["blk.0.ffn_gate.weight"], g.consts["blk.0.ffn_up.weight"]
+    assert gate.quant is None and up.quant is None
+    dense = g.metadata["gguf"]["dense"]
+    assert "gated pair 'blk.0.ffn_up.weight' is q4_0" in dense["blk.0.ffn_gate.weight"]
+    assert g.consts["blk.1.ffn_gate.weight"].quant is not None and g.metadata["gguf"]["packed"]["blk.0.attn_q.weight"] == "q4_0"
