@@ -174,7 +174,12 @@ def describe_packed(q: dict[str, Any]) -> list[str]:
     by = ", ".join(f"{n} {f}" for f, n in sorted(q["formats"].items()))
     lines = [f"{q['packed']} matrices kept in the file's blocks ({by}): {q['f32_bytes'] / 1e6:.1f} MB as f32 -> "
              f"{q['packed_bytes'] / 1e6:.1f} MB" if q["packed"] else "no matrix kept packed"]
-    lines += [f"dense: {name} ({why})" for name, why in q["dense"].items()]
+    by_why: dict[str, list[str]] = {}
+    for name, why in q["dense"].items():
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        lines.append(f"dense: {', '.join(names[:3])}{more} ({why})")
     return lines
 
 

@@ -211,3 +211,14 @@ def test_a_gated_pair_in_two_formats_stays_dense_and_says_why(tmp_path: Path) ->
     dense = g.metadata["gguf"]["dense"]
     assert "gated pair 'blk.0.ffn_up.weight' is q4_0" in dense["blk.0.ffn_gate.weight"]
     assert g.consts["blk.1.ffn_gate.weight"].quant is not None and g.metadata["gguf"]["packed"]["blk.0.attn_q.weight"] == "q4_0"
+
+
+def test_a_gpu_target_gets_the_exact_dequantization(tmp_path: Path) -> None:
+    """The Triton kernel does not stream packed weights: with a GPU target every matrix keeps only
+    its exact dequantization (listed dense with the reason), as the reference reads it."""
+    path = write_gguf(hf_model("llama"), tmp_path / "q41.gguf", qtype=gguf.GGMLQuantizationType.Q4_1)
+    res = zlc.compile(path, targets=["a10", "cpu"], out=tmp_path / "x.zlc", max_seq=64, verify=False,
+                      stop_after="quantize")
+    q = res.build.quantization
+    assert q["packed"] == 0 and "Triton kernel (a10)" in q["dense"]["blk.0.ffn_down.weight"]
+    assert all(v.quant is None for v in res.build.lowered.decode.consts.values())
