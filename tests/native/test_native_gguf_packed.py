@@ -4,7 +4,8 @@ K-quants' 256-value super-blocks; K-quant tensors are random blocks, gguf having
 them), a tied Q4_1 embedding whose LM head streams the blocks as its own packed copy. Oracle: the
 reference executor on the bundle's blocks dequantized by gguf (max abs 1e-4, equal greedy tokens)
 on every ISA level of this host, and decode equals prefill. The frontend hands the file's bytes
-through unchanged and its f32 data is gguf's dequantization bit for bit."""
+through unchanged and its f32 data is gguf's dequantization bit for bit; so is the kernel's own
+dequantization (its exported zlc_native_dequantize) of every format."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from native_helpers import Built, assert_matches, run_both
 import zlc
 from zlc.codegen.native import find_compiler
 from zlc.frontend.gguf import import_gguf, unpermute_qk
+from zlc.ir.quant import FORMATS
 from zlc.runtime.native import host_cpu_flags
 
 gguf = pytest.importorskip("gguf")
@@ -35,6 +37,7 @@ TYPES = {
     "blk.1.ffn_down.weight": Q.Q6_K, "token_embd.weight": Q.Q4_1,
 }
 PROMPT = [3, 14, 15, 92, 65, 35, 89]
+FORMATS_CODE = {name: f.code for name, f in FORMATS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +108,29 @@ def test_quantize_on_a_quantized_gguf_is_one_error_line(mixed: tuple[Path, Path,
                                     "-o", str(tmp_path / "x.zlc")])
     assert res.exit_code == 1 and "already quantized" in res.output and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_the_kernels_dequantization_is_ggufs_bit_for_bit(mixed: tuple[Path, Path, Any], qtype: Any) -> None:
+    """zlc_native_dequantize (the session-start transposition, then a prefill task's panel
+    dequantization: VL lanes at a time, a narrow last panel column by column) of random blocks,
+    some f16 scales subnormal, on every ISA level: the same f32 bits as gguf.quants.dequantize."""
+    import ctypes
+
+    from zlc.testing.gguf_files import random_blocks
+
+    man = zlc.load(mixed[1]).manifest
+    flags = host_cpu_flags()
+    n, k = 37, 512  # 37 rows: full panels and a narrow one at every VL
+    blocks = random_blocks(n, k, qtype, seed=qtype.value)
+    want = gguf.quants.dequantize(blocks, qtype).reshape(n, k).astype(np.float32)
+    for name, info in man["native"]["levels"].items():
+        if not set(info["requires"]) <= flags:
+            continue
+        lib = ctypes.CDLL(str(mixed[1] / info["library"]))
+        got = np.zeros((n, k), np.float32)
+        rc = lib.zlc_native_dequantize(blocks.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n), ctypes.c_int64(k),
+                                       ctypes.c_int64(FORMATS_CODE[qtype.name.lower()]),
+                                       got.ctypes.data_as(ctypes.c_void_p))
+        assert rc == 0
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, qtype.name)
