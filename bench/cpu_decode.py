@@ -13,6 +13,8 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   (cached in --workdir), run by the native C kernel (`session("cpu", threads=N)`);
 - zlc native int8 / int4 / int4:q4_1: the same with `--dtype bf16 --quantize int8|int4|int4:q4_1`
   (Linear matrices and the LM head's copy in GGUF Q8_0 / Q4_0 / Q4_1 blocks, the embedding bf16);
+- zlc native gguf: `zlc compile SmolLM2-135M-Instruct.Q4_1.gguf --dtype bf16`, the file's own
+  blocks (Q4_1 matrices, the tied head streaming the Q8_0 embedding's blocks, the embedding bf16);
 - transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
   eager attention, `torch.set_num_threads(N)`, a manual KV-cache loop (no `generate` overhead);
 - onnxruntime-genai fp32: its model builder run offline on the same weights (the dequantized
@@ -50,10 +52,11 @@ from pathlib import Path
 from typing import Any
 
 NEW_TOKENS = 64
-ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "transformers", "ort-genai", "llama.cpp")
+ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "transformers", "ort-genai",
+           "llama.cpp")
 # zlc engine -> (weight dtype, --quantize)
 ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
-       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1")}
+       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf")}
 
 
 # ---- machine bandwidth -----------------------------------------------------------------------------
@@ -124,7 +127,10 @@ def _bundle(workdir: Path, dtype: str, quantize: str | None = None) -> Path:
     from zlc.testing import zoo
 
     out = workdir / (f"smollm2-{dtype}.zlc" if quantize is None else f"smollm2-{quantize.replace(':', '-')}.zlc")
-    if not (out / "manifest.json").is_file():
+    if quantize == "gguf" and not (out / "manifest.json").is_file():  # the file itself: its blocks
+        zlc.compile(zoo.smollm2_gguf_path(), targets=["cpu"], dtype=dtype, max_seq=512, out=out, verify=False,
+                    name="smollm2")
+    elif not (out / "manifest.json").is_file():
         zlc.compile(zoo.cached_smollm2(), targets=["cpu"], dtype=dtype, max_seq=512,
                     tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2", quantize=quantize)
     return out
@@ -397,6 +403,7 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     kv = int(z.get("kv_bytes_per_token") or f32.get("kv_bytes_per_token") or 0) * 70  # ~70 positions
     bwn = bw.get(f"threads_{threads}") or 0.0
     wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
+           "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)",
            "transformers": "f32", "ort-genai": "f32", "llama.cpp": "Q4_1"}
     zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None

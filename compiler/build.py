@@ -35,9 +35,9 @@ import numpy as np
 from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
-from .frontend.gguf_file import gguf_tokenizer, is_gguf
+from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
 from .ir import DType
-from .passes.quantize import quantize_lowered, scheme_for
+from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
 
@@ -131,6 +131,10 @@ def _verify(b: Build) -> None:
 def _quantize(b: Build) -> None:
     if b.quantize is not None:
         b.quantization = quantize_lowered(b.lowered, b.quantize, lambda d: b.report("quantize", d))
+        return
+    b.quantization = packed_as_given(b.lowered, [t.name for t in b.targets if t.is_gpu])
+    for line in describe_packed(b.quantization) if b.quantization else ():
+        b.report("quantize", line)
 
 
 def _schedule(b: Build) -> None:
@@ -444,6 +448,11 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     qfmt = scheme_for(quantize, [t.name for t in tgs if t.is_gpu])
+    if qfmt is not None and is_gguf(model):
+        quantized = packed_tensor(model)
+        if quantized:
+            raise QuantizeError(f"--quantize: {Path(model).name} is already quantized ('{quantized[0]}' is "
+                                f"{quantized[1]}); compile it without --quantize")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
     if tokenizer is None:  # a GGUF file carries its tokenizer and chat template
         tokenizer = gguf_tokenizer(model)

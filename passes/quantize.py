@@ -125,6 +125,64 @@ def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
     return summary
 
 
+def refuse_packed(graphs: Sequence[Graph]) -> None:
+    """QuantizeError when a graph already carries packed weights (a GGUF's blocks)."""
+    for g in graphs:
+        for v in g.consts.values():
+            if v.quant is not None:
+                raise QuantizeError(f"--quantize: the model is already quantized ('%{v.name}' is "
+                                    f"{v.quant.format.name}); compile it without --quantize")
+
+
+def _graphs(lowered: Any) -> list[Graph]:
+    return [g for g in (lowered.graph, lowered.prefill, lowered.decode) if g is not None]
+
+
+def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] | None:
+    """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF):
+    which matrices stay packed in which format, which are dense and why; None when none is packed.
+    With a GPU target the blocks are dropped (every constant keeps its exact dequantization as
+    data): the Triton kernel does not stream packed weights yet."""
+    graphs = _graphs(lowered)
+    packed: dict[str, Any] = {}
+    for g in graphs:
+        for v in g.consts.values():
+            if v.quant is not None:
+                packed.setdefault(v.name, v.quant)
+    if not packed:
+        return None
+    meta = next((g.metadata.get("gguf") for g in graphs if g.metadata.get("gguf")), None) or {}
+    dense = dict(meta.get("dense", {}))
+    if gpu_targets:
+        for g in graphs:
+            for v in g.consts.values():
+                v.quant = None
+        why = f"dequantized: the Triton kernel ({', '.join(gpu_targets)}) does not stream packed weights yet"
+        dense.update({name: f"{q.format.name} {why}" for name, q in packed.items()})
+        packed = {}
+    formats: dict[str, int] = {}
+    for q in packed.values():
+        formats[q.format.name] = formats.get(q.format.name, 0) + 1
+    return {"source": "gguf" if meta else "frontend", "formats": formats, "packed": len(packed),
+            "tensors": {name: q.format.name for name, q in packed.items()}, "dense": dense,
+            "f32_bytes": sum(q.n * q.k * 4 for q in packed.values()),
+            "packed_bytes": sum(q.nbytes for q in packed.values())}
+
+
+def describe_packed(q: dict[str, Any]) -> list[str]:
+    """The compile report's lines for packed_as_given's entry."""
+    by = ", ".join(f"{n} {f}" for f, n in sorted(q["formats"].items()))
+    lines = [f"{q['packed']} matrices kept in the file's blocks ({by}): {q['f32_bytes'] / 1e6:.1f} MB as f32 -> "
+             f"{q['packed_bytes'] / 1e6:.1f} MB" if q["packed"] else "no matrix kept packed"]
+    by_why: dict[str, list[str]] = {}
+    for name, why in q["dense"].items():
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        lines.append(f"dense: {', '.join(names[:3])}{more} ({why})")
+    return lines
+
+
 def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | None = None) -> dict[str, Any]:
     """`zlc compile --quantize`: packs a lowered model's Linear matrices in place (its stateless,
     prefill and decode graphs), verifies the graphs, and measures the cost with the reference
@@ -133,6 +191,7 @@ def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | Non
     from zlc.reference.accuracy import accuracy, probe_logits
 
     say = report or (lambda _: None)
+    refuse_packed(_graphs(lowered))
     say(f"{fmt}: probes on the unquantized model")
     before = probe_logits(lowered)
     graphs = [g for g in (lowered.graph, lowered.prefill, lowered.decode) if g is not None]

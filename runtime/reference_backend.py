@@ -29,7 +29,7 @@ from zlc.reference.executor import ReferenceExecutor
 
 # A constant without inline data (`const %name: f32[256, 64]`): its data comes from the arenas.
 # A packed one (`const %name: f32[N, K] q4_0`) is a QuantizedWeight cut out of the Q arena.
-_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\](?:\s+(q\d_\d))?\s*$", re.M)
+_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\](?:\s+(q\d_[0-9k]))?\s*$", re.M)
 
 
 def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def _packed(bundle: Path, arenas: dict[str, torch.Tensor], pl: dict[str, Any], n
     them with gguf's dequantizer: the reference computes on exactly the kernel's weights)."""
     f = get_format(fmt)
     n, k = shape
-    nbytes = n * (k // 32) * f.block_bytes
+    nbytes = n * (k // f.block_k) * f.block_bytes
     q = arenas.get("Q")
     off = int(pl["offset"])
     if pl["arena"] != "Q" or pl.get("format") != fmt or q is None or off < 0 or off + nbytes > q.numel():

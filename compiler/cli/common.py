@@ -231,7 +231,11 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
     vs = ver.get("status", "skipped")
     out.print(f"verification: {vs}" + (f" ({escape(ver['summary'])})" if ver.get("summary") else ""))
     q = man.get("quantization")
-    if q:
+    if q and q.get("source"):  # the model's own blocks (a GGUF), kept
+        by = ", ".join(f"{n} {f}" for f, n in sorted(q["formats"].items()))
+        out.print(f"packed as given: {q['packed']} matrices ({by}; {q['f32_bytes'] / 1e6:.1f} MB f32 -> "
+                  f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense")
+    elif q:
         out.print(f"quantized: {q['format']}, {q['packed']} Linear weights packed ({q['f32_bytes'] / 1e6:.1f} MB f32 -> "
                   f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense; vs unquantized on "
                   f"{q['accuracy']['probes']} probe prompts: {escape(q['accuracy']['summary'])}")

@@ -9,8 +9,15 @@ llama.cpp writes those as llama; Q/K rows permuted for its interleaved-pair rota
 here to Hugging Face's rotate-half order), `qwen2` (q/k/v biases), `qwen3` (per-head q/k
 RMSNorm), `gemma`, `gemma2`, `gemma3` (scaled embeddings, sandwich norms, sliding-window layers,
 soft-caps, two rope bases), `phi3` (fused projections, split at import). A file without
-`output.weight` ties the LM head to the token embedding. Weights are dequantized to f32 at import
-(gguf_file.GgufFile.weight).
+`output.weight` ties the LM head to the token embedding.
+
+Weights stay in the file's blocks where the kernels stream them: a matrix read by a Linear, the
+MLP or the LM head whose tensor type is a packed format (ir/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K) becomes a constant whose `quant` is those blocks (row-permuted or split as the
+matrix is: blocks lie along K) and whose data is their exact dequantization (what the reference
+executor reads). Dense, with the reason in `metadata["gguf"]["dense"]`: the token embedding (a step
+reads one row; a tied LM head gets a packed copy), norms and biases, other block types (dequantized
+to f32 by gguf).
 """
 
 from __future__ import annotations
@@ -148,20 +155,41 @@ class _Builder:
         self.spec = ARCHITECTURES[f.arch]
         self.g = Graph(Path(f.name).stem.replace(".", "_") or "gguf")
         self.max_seq = max_seq
+        self.packed: dict[str, str] = {}  # constant -> its format (metadata["gguf"]["packed"])
+        self.dense: dict[str, str] = {}  # matrix constant -> why it is not packed
 
     def const(self, name: str, shape: tuple[int, ...]) -> Value:
         return self.g.add_const(name, self.f.weight(name, shape))
 
+    def matrix(self, name: str, shape: tuple[int, int], rows: np.ndarray | slice | None = None,
+               as_name: str | None = None) -> Value:
+        """A Linear's [N, K] weight, its rows `rows` of the file's tensor (a permutation, a split),
+        kept in the file's blocks where the kernels stream them."""
+        q, why = self.f.packed(name, shape)
+        as_name = as_name or name
+        if q is None:
+            w = self.f.weight(name, shape)
+            self.dense[as_name] = why
+            return self.g.add_const(as_name, np.ascontiguousarray(w if rows is None else w[rows]))
+        if rows is not None:
+            q = q.rows(rows)
+        v = self.g.add_const(as_name, q.dequantize().reshape(q.n, q.k))
+        v.quant = q
+        self.packed[as_name] = q.format.name
+        return v
+
     def opt_const(self, name: str, shape: tuple[int, ...]) -> Value | None:
         return self.const(name, shape) if name in self.f.tensors else None
 
-    def qk_weight(self, name: str, heads: int, shape: tuple[int, ...]) -> Value:
-        """A Q or K weight (or bias), un-permuted where llama.cpp permuted it."""
-        w = self.f.weight(name, shape)
-        return self.g.add_const(name, unpermute_qk(w, heads) if self.spec.permuted_qk else w)
+    def qk_weight(self, name: str, heads: int, shape: tuple[int, int]) -> Value:
+        """A Q or K weight, un-permuted where llama.cpp permuted it."""
+        return self.matrix(name, shape, unpermute_qk(np.arange(shape[0]), heads) if self.spec.permuted_qk else None)
 
     def qk_bias(self, name: str, heads: int, n: int) -> Value | None:
-        return self.qk_weight(name, heads, (n,)) if name in self.f.tensors else None
+        if name not in self.f.tensors:
+            return None
+        w = self.f.weight(name, (n,))
+        return self.g.add_const(name, unpermute_qk(w, heads) if self.spec.permuted_qk else w)
 
     def linear(self, x: Value, w: Value, b: Value | None) -> Value:
         return self.g.op("Linear", x, w, *([b] if b is not None else []))
@@ -178,7 +206,8 @@ class _Builder:
             if t in f.tensors:
                 raise f.error(f"tensor '{t}': LongRoPE scaling is not supported")
         g.metadata["frontend"] = "gguf"
-        g.metadata["gguf"] = {"architecture": f.arch, "context_length": hp.context}
+        g.metadata["gguf"] = {"architecture": f.arch, "context_length": hp.context,
+                              "packed": self.packed, "dense": self.dense}
         ids = g.add_input("input_ids", TensorType(DType.i64, (1, "seq")))
         embed = self.const("token_embd.weight", (hp.vocab, hp.hidden))
         x = g.op("Embedding", embed, ids)
@@ -193,10 +222,17 @@ class _Builder:
             cos_v, sin_v = tables.get(local, tables[False])
             x = self.block(i, x, pos, cos_v, sin_v, hp.window if local else 0)
         x = g.op("RMSNorm", x, self.const("output_norm.weight", (hp.hidden,)), eps=hp.eps)
+        self.dense["token_embd.weight"] = "the embedding reads rows of it"
         if "output.weight" in f.tensors:
-            head = self.const("output.weight", (hp.vocab, hp.hidden))
+            head = self.matrix("output.weight", (hp.vocab, hp.hidden))
         else:  # llama.cpp omits the head of tied-embedding models (SmolLM2, Gemma): it reads token_embd
-            head, g.metadata["tied_embeddings"] = embed, True
+            g.metadata["tied_embeddings"] = True
+            head = embed
+            if f.packed("token_embd.weight", (hp.vocab, hp.hidden))[0] is not None:
+                # the table stays dense for the embedding (a step reads one row of it, but all of
+                # the head): the head streams the file's blocks as a packed copy of its own
+                head = self.matrix("token_embd.weight", (hp.vocab, hp.hidden), as_name="token_embd.weight.head")
+                self.dense["token_embd.weight"] += "; the tied LM head reads its blocks as 'token_embd.weight.head'"
         attrs = {"softcap": hp.final_softcap} if hp.final_softcap else {}
         logits = g.add_node("LMHead", [x, head], attrs, name="lm_head", out_names=["logits"]).output
         g.outputs.append(logits)
@@ -207,28 +243,34 @@ class _Builder:
         hp = self.hp
         qn, kvn = hp.heads * hp.head_dim, hp.kv_heads * hp.head_dim
         if self.spec.fused:  # Phi-3: one [q; k; v] matrix, split here into three Linears
-            w = self.f.weight(p + "attn_qkv.weight", (qn + 2 * kvn, hp.hidden))
-            q, k, v = (self.linear(h, self.g.add_const(f"{p}attn_{n}.weight", np.ascontiguousarray(a)), None)
-                       for n, a in zip("qkv", np.split(w, [qn, qn + kvn]), strict=True))
+            name, shape = p + "attn_qkv.weight", (qn + 2 * kvn, hp.hidden)
+            q, k, v = (self.linear(h, self.matrix(name, shape, slice(a, b), f"{p}attn_{n}.weight"), None)
+                       for n, a, b in (("q", 0, qn), ("k", qn, qn + kvn), ("v", qn + kvn, qn + 2 * kvn)))
             return q, k, v
         q = self.linear(h, self.qk_weight(p + "attn_q.weight", hp.heads, (qn, hp.hidden)),
                         self.qk_bias(p + "attn_q.bias", hp.heads, qn))
         k = self.linear(h, self.qk_weight(p + "attn_k.weight", hp.kv_heads, (kvn, hp.hidden)),
                         self.qk_bias(p + "attn_k.bias", hp.kv_heads, kvn))
-        v = self.linear(h, self.const(p + "attn_v.weight", (kvn, hp.hidden)),
+        v = self.linear(h, self.matrix(p + "attn_v.weight", (kvn, hp.hidden)),
                         self.opt_const(p + "attn_v.bias", (kvn,)))
         return q, k, v
 
     def mlp(self, p: str, h: Value) -> Value:
         hp = self.hp
         if self.spec.fused:  # Phi-3: ffn_up holds [gate; up]
-            gate, up = np.split(self.f.weight(p + "ffn_up.weight", (2 * hp.ffn, hp.hidden)), 2)
-            wg = self.g.add_const(p + "ffn_gate.weight", np.ascontiguousarray(gate))
-            wu = self.g.add_const(p + "ffn_up.weight", np.ascontiguousarray(up))
+            name, shape = p + "ffn_up.weight", (2 * hp.ffn, hp.hidden)
+            wg = self.matrix(name, shape, slice(0, hp.ffn), p + "ffn_gate.weight")
+            wu = self.matrix(name, shape, slice(hp.ffn, 2 * hp.ffn), p + "ffn_up.weight")
         else:
-            wg = self.const(p + "ffn_gate.weight", (hp.ffn, hp.hidden))
-            wu = self.const(p + "ffn_up.weight", (hp.ffn, hp.hidden))
-        return self.g.op("GatedMLP", h, wg, wu, self.const(p + "ffn_down.weight", (hp.hidden, hp.ffn)),
+            wg = self.matrix(p + "ffn_gate.weight", (hp.ffn, hp.hidden))
+            wu = self.matrix(p + "ffn_up.weight", (hp.ffn, hp.hidden))
+        if (wg.quant is None) != (wu.quant is None) or (wg.quant and wu.quant and wg.quant.format != wu.quant.format):
+            for v, other in ((wg, wu), (wu, wg)):  # one descriptor word holds the gated pair's format
+                self.dense[v.name] = (f"{v.quant.format.name if v.quant else 'dense'}, but its gated pair "
+                                      f"'{other.name}' is {other.quant.format.name if other.quant else 'dense'}")
+                self.packed.pop(v.name, None)
+                v.quant = None
+        return self.g.op("GatedMLP", h, wg, wu, self.matrix(p + "ffn_down.weight", (hp.hidden, hp.ffn)),
                          activation=self.spec.activation)
 
     def post_norm(self, name: str, x: Value) -> Value:
@@ -260,7 +302,7 @@ class _Builder:
             attrs["softcap"] = hp.attn_softcap
         a = g.op("Attention", qh, kh, vh, **attrs)
         qn = hp.heads * hp.head_dim
-        o = self.linear(g.op("MergeHeads", a), self.const(p + "attn_output.weight", (hp.hidden, qn)),
+        o = self.linear(g.op("MergeHeads", a), self.matrix(p + "attn_output.weight", (hp.hidden, qn)),
                         self.opt_const(p + "attn_output.bias", (hp.hidden,)))
         x = g.op("Add", x, self.post_norm(p + "post_attention_norm.weight", o))
         h = g.op("RMSNorm", x, self.const(p + "ffn_norm.weight", (hp.hidden,)), eps=hp.eps)

@@ -2,8 +2,10 @@
 tensor as a float32 array in Hugging Face's [out, in] orientation.
 
 Parsing is `gguf`'s (`GGUFReader`, a memory map), dequantization is `gguf.quants.dequantize`, so
-zlc reads every block format llama.cpp writes exactly as llama.cpp's own Python does. Every failure
-is one ModelFormatError line naming the file and the field or tensor.
+zlc reads every block format llama.cpp writes exactly as llama.cpp's own Python does. A tensor in a
+block format the kernels stream (ir/quant.py FORMATS) is also handed out as its blocks
+(`GgufFile.packed`). Every failure is one ModelFormatError line naming the file and the field or
+tensor.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def _reader(path: str, mtime_ns: int, size: int) -> Any:
 def gguf_tokenizer(model: Any) -> Path | None:
     """`model` itself when it is a GGUF file with a tokenizer (what `zlc compile` bundles), else None."""
     return Path(model) if is_gguf(model) and GgufFile(model).has("tokenizer.ggml.model") else None
+
+
+def packed_tensor(path: str | Path) -> tuple[str, str] | None:
+    """(name, type) of the first tensor of a GGUF file in a block format the kernels stream, if any."""
+    from zlc.ir.quant import format_of_ggml
+
+    f = GgufFile(path)
+    return next(((t.name, t.tensor_type.name) for t in f.reader.tensors if format_of_ggml(t.tensor_type.name)), None)
 
 
 class GgufFile:
@@ -138,3 +148,28 @@ class GgufFile:
             raise self.error(f"tensor '{name}' holds {w.size} values, not the {int(np.prod(shape))} of {list(shape)} "
                              "(truncated file?)")
         return np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
+
+    def packed(self, name: str, shape: tuple[int, int]) -> tuple[Any, str]:
+        """Matrix `name` ([N, K]) as its blocks (ir/quant.QuantizedWeight, the file's bytes, not
+        copied), or (None, why it is dense) where the kernels stream no such blocks."""
+        from zlc.ir.quant import QuantizedWeight, format_of_ggml
+
+        t = self._tensor(name)
+        have = self.shape(name)
+        if have != tuple(shape):
+            raise self.error(f"tensor '{name}' has shape {list(have)} but the metadata implies {list(shape)}")
+        kind = t.tensor_type.name
+        fmt = format_of_ggml(kind)
+        if fmt is None:
+            return None, f"{kind} (no packed kernel body: dequantized)" if kind not in ("F32", "F16", "BF16") else kind
+        if shape[1] % fmt.block_k:
+            raise self.error(f"tensor '{name}' ({kind}) has rows of {shape[1]} values, not a multiple of its "
+                             f"{fmt.block_k}-value blocks")
+        blocks = np.asarray(t.data)
+        if blocks.dtype != np.uint8 or blocks.size != shape[0] * (shape[1] // fmt.block_k) * fmt.block_bytes:
+            raise self.error(f"tensor '{name}' ({kind}) holds {blocks.size} bytes, not the "
+                             f"{shape[0] * (shape[1] // fmt.block_k) * fmt.block_bytes} of {list(shape)} "
+                             "(truncated file?)")
+        q = QuantizedWeight(fmt, blocks.reshape(shape[0], -1), int(shape[0]), int(shape[1]))
+        q.check(f"tensor '{name}'")
+        return q, ""

@@ -228,7 +228,7 @@ class Graph:
 
         def cp(v: Value, producer: Node | None = None) -> Value:
             nv = Value(v.name, v.type, v.kind, producer, v.data)
-            nv.sym = v.sym
+            nv.sym, nv.quant = v.sym, v.quant
             g._names.add(v.name)
             m[id(v)] = nv
             return nv

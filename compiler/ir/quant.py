@@ -1,4 +1,5 @@
-"""Packed weight formats: GGUF's Q8_0, Q4_0 and Q4_1 blocks, carried by a Linear's weight constant.
+"""Packed weight formats: GGUF's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), carried by a
+Linear's weight constant.
 
 A quantized weight is still an f32 [N, K] constant in the IR: its `data` is the exact dequantized
 matrix (what the reference executor and every f32 consumer read), and `Value.quant` holds the
@@ -9,6 +10,19 @@ quantizer and the bit-exact dequantization oracle (no hand-written rounding here
     q8_0: 34 bytes per 32 K-values: f16 d, then 32 int8 q;             w = d * q
     q4_0: 18 bytes: f16 d, 16 bytes: q[j] low nibble, q[j+16] high;     w = d * (q - 8)
     q4_1: 20 bytes: f16 d, f16 m, 16 bytes as q4_0;                     w = d * q + m
+    q5_0: 22 bytes: f16 d, u32 qh (bit i: 5th bit of q[i]), 16 as q4_0;  w = d * (q - 16)
+    q5_1: 24 bytes: f16 d, f16 m, u32 qh, 16 as q4_0;                    w = d * q + m
+    q4_k: 144 bytes per 256: f16 d, dmin; 12 bytes of 6-bit scale/min pairs (8 sub-blocks of 32);
+          128 bytes: sub-block 2c in the low nibbles of bytes 32c.., 2c+1 in the high ones;
+          w = (d * sc) * q - (dmin * m)
+    q5_k: 176 bytes: as q4_k, with 32 bytes qh before the quants (bit s of byte e: sub-block s)
+    q6_k: 210 bytes: 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16), f16 d;
+          w = (d * sc) * (q - 32)
+
+Bytes per weight (the decode floor): q8_0 1.0625, q5_1 0.75, q5_0 0.6875, q6_k 0.8203, q5_k 0.6875,
+q4_1 0.625, q4_0 0.5625, q4_k 0.5625. The kernels read these bytes as they are (the native kernel
+only transposes each block group at session start, codegen/templates/megakernel.c.jinja "packed
+weights"): no repacking into a wider layout.
 """
 
 from __future__ import annotations
@@ -19,7 +33,7 @@ import numpy as np
 
 from zlc.errors import IRError
 
-BLOCK = 32  # K-values per block, every format here
+BLOCK = 32  # K-values per (sub-)block of every format: the kernels' unit of activation sums
 
 # Where a packed weight may be read: op -> its inputs that are [N, K] matrices the kernels stream
 # as a Linear's weights (codegen lowers each of them to a Linear task).
@@ -31,20 +45,35 @@ class WeightFormat:
     name: str
     code: int  # the Linear descriptor's w_format word (0: dense, in the W arena)
     block_bytes: int
+    block_k: int = BLOCK  # K-values per block (256: the K-quants' super-blocks)
+    quantizable: bool = True  # gguf's Python quantizer writes it (the K-quants: llama.cpp's only)
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.block_bytes / self.block_k
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("q8_0", 1, 34),
     WeightFormat("q4_0", 2, 18),
     WeightFormat("q4_1", 3, 20),
+    WeightFormat("q5_0", 4, 22),
+    WeightFormat("q5_1", 5, 24),
+    WeightFormat("q4_k", 6, 144, 256, False),
+    WeightFormat("q5_k", 7, 176, 256, False),
+    WeightFormat("q6_k", 8, 210, 256, False),
 )}
 
 
 def _ggml_type(name: str):  # the gguf package's enum member of a format
     from gguf import GGMLQuantizationType
 
-    return {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-            "q4_1": GGMLQuantizationType.Q4_1}[name]
+    return GGMLQuantizationType[name.upper()]
+
+
+def format_of_ggml(type_name: str) -> WeightFormat | None:
+    """The packed format of a GGUF tensor type ("Q4_K"), None where the kernels stream no such blocks."""
+    return FORMATS.get(type_name.lower())
 
 
 def get_format(name: str) -> WeightFormat:
@@ -66,11 +95,18 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return int(self.blocks.size)
 
+    def rows(self, index: np.ndarray | slice) -> QuantizedWeight:
+        """The blocks of rows `index` (a permutation or a slice): blocks lie along K, so a row
+        permutation or split of the matrix is the same one of its block rows, bit for bit."""
+        blocks = np.ascontiguousarray(self.blocks[index])
+        return QuantizedWeight(self.format, blocks, int(blocks.shape[0]), self.k)
+
     def check(self, where: str) -> None:
         """Raises IRError unless the blocks are exactly an [n, k] matrix of this format."""
-        want = (self.n, self.k // BLOCK * self.format.block_bytes)
-        if self.k % BLOCK:
-            raise IRError(f"{where}: {self.format.name} needs K a multiple of {BLOCK}, got {self.k}")
+        bk = self.format.block_k
+        want = (self.n, self.k // bk * self.format.block_bytes)
+        if self.k % bk:
+            raise IRError(f"{where}: {self.format.name} needs K a multiple of {bk}, got {self.k}")
         if self.blocks.dtype != np.uint8 or tuple(self.blocks.shape) != want:
             raise IRError(f"{where}: {self.format.name} blocks are {self.blocks.dtype}{list(self.blocks.shape)}, "
                           f"expected uint8{list(want)} for [{self.n}, {self.k}]")
@@ -87,6 +123,8 @@ def quantize(w: np.ndarray, name: str) -> QuantizedWeight:
     from gguf import quants
 
     fmt = get_format(name)
+    if not fmt.quantizable:
+        raise IRError(f"{name}: gguf has no quantizer for it (its blocks come from llama.cpp's files)")
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % BLOCK:
         raise IRError(f"{name}: needs an [N, K] matrix with K a multiple of {BLOCK}, got {list(w.shape)}")

@@ -1,11 +1,19 @@
-"""Tiny GGUF files from the zoo's Hugging Face Llama models, written as llama.cpp's
-convert_hf_to_gguf.py writes them (gguf's GGUFWriter; Q/K rows permuted for llama.cpp's
-interleaved rotary; no `output.weight` when the embeddings are tied), optionally quantized with
-gguf's own quantizer. The GGUF frontend's oracle is then Hugging Face on the same weights.
+"""Tiny GGUF files from the zoo's Hugging Face models, written as llama.cpp's convert_hf_to_gguf.py
+writes them (gguf's GGUFWriter), the one writer of every family the GGUF frontend reads: Llama (Q/K
+rows permuted for llama.cpp's interleaved rotary), Qwen2, Qwen3, Gemma 1/2/3 (RMSNorm gains stored
+as 1 + w, post-norms under llama.cpp's names, soft-capping and the sliding window in the metadata)
+and Phi-3 (fused `attn_qkv` and `ffn_up` = [gate; up] kept fused); no `output.weight` when the
+embeddings are tied. What llama.cpp does not write (Gemma 2's layer pattern, Gemma 3's local rope
+base) is left out, so the frontend's defaults are what the oracle checks; Gemma 3's two-layer
+pattern differs from llama.cpp's default of six, so it is listed. Matrices optionally in GGUF
+block formats: gguf's own quantizer, or random blocks for the K-quants (gguf has no quantizer for
+them). The GGUF frontend's oracle is then Hugging Face on the same (round-tripped) weights, or the
+reference executor on the file.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +33,28 @@ def round_trip(w: np.ndarray, qtype: Any) -> np.ndarray:
     from gguf.quants import dequantize, quantize
 
     return dequantize(quantize(w, qtype), qtype).reshape(w.shape).astype(np.float32)
+
+
+#: where each block format keeps its f16 scales (byte offsets in a block) and how large its quants are
+_F16_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+_QUANT_RANGE = {"Q4_0": 8, "Q8_0": 127, "Q5_0": 16, "Q4_1": 15, "Q5_1": 31, "Q4_K": 63 * 15, "Q5_K": 63 * 31,
+                "Q6_K": 127 * 32}
+
+
+def random_blocks(rows: int, cols: int, qtype: Any, seed: int, peak: float = 0.1) -> np.ndarray:
+    """uint8 [rows, cols / block * bytes]: blocks of `qtype` with random quants and scale bytes and
+    f16 scales drawn so that weights stay within about +-`peak` (some f16 scales subnormal). What a
+    K-quant tensor of a test file is: gguf has no quantizer for the K-quants."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for o in _F16_FIELDS[qtype.name]:
+        d = (rng.uniform(0.2, 1.0, b.shape[:2]) * peak / _QUANT_RANGE[qtype.name]).astype(np.float16)
+        b[:, :, o:o + 2] = d[..., None].view(np.uint8).reshape(*d.shape, 2)
+    return b.reshape(rows, -1)
 
 
 def quantize_model(model: torch.nn.Module, qtype: Any) -> None:
@@ -47,13 +77,39 @@ def byte_tokens(vocab: int) -> list[str]:
     return toks + [f"<pad{i}>" for i in range(vocab - len(toks))]
 
 
-def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None,
-                     tokenizer: bool = False, chat_template: str | None = None,
-                     config: dict[str, Any] | None = None, raw_types: dict[str, Any] | None = None) -> Path:
-    """Writes `model` (a Hugging Face Llama, Qwen2 or Qwen3 causal LM) to `path` as llama.cpp's
-    converter does.
+#: Hugging Face model_type -> GGUF architecture.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+
+_LLAMA_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                "post_attention_layernorm": "ffn_norm"}
+_QWEN3_NAMES = {**_LLAMA_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_SANDWICH_NAMES = {**_LLAMA_NAMES, "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_PHI3_NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def rope_theta(cfg: Any, kind: str = "full_attention") -> float:
+    """A config's rope base (transformers 5 keeps it in rope_parameters, per layer type for Gemma 3)."""
+    rp = getattr(cfg, "rope_parameters", None)
+    if rp:
+        return float(rp[kind]["rope_theta"] if kind in rp else rp["rope_theta"])
+    return float(cfg.rope_theta)
+
+
+def write_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None, types: dict[str, Any] | None = None,
+               tokenizer: bool = False, chat_template: str | None = None, config: dict[str, Any] | None = None,
+               raw_types: dict[str, Any] | None = None) -> Path:
+    """Writes `model` (a Hugging Face Llama, Qwen2, Qwen3, Gemma 1/2/3 or Phi-3 causal LM) to `path`
+    as llama.cpp's converter does.
     `qtype` (a GGMLQuantizationType): every 2-D weight in that block format (quantize_model makes
-    the matching reference). `tokenizer`: a byte-level gpt2 vocabulary (byte_tokens) and its ids.
+    the matching reference). `types`: GGUF tensor name -> its block format, over `qtype`; a format
+    gguf cannot quantize (the K-quants) is written as random_blocks, so that tensor is not the
+    model's (the kernels' oracle is then the reference executor on the file). `tokenizer`: a
+    byte-level gpt2 vocabulary (byte_tokens; the model's vocabulary must hold it) and its ids.
     For bad-input tests: `config` overrides config fields in the metadata only (the tensors stay
     the model's), `raw_types` writes the named tensors as zero bytes of another block format."""
     from types import SimpleNamespace
@@ -63,9 +119,9 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     own: Any = model.config
     cfg: Any = SimpleNamespace(**{**own.to_dict(), **(config or {})})
     path = Path(path)
+    arch = GGUF_ARCH[own.model_type]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    arch = own.model_type  # llama, qwen2, qwen3: llama.cpp permutes only llama's Q/K rows
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -73,11 +129,26 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    if arch != "llama":  # llama.cpp's converter writes the lengths where head_dim may differ
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope_theta(cfg))
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    full = rp.get("full_attention", rp)
+    if full.get("rope_type") == "linear":  # Gemma 3 4B+: the global layers' positions / factor
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+    w.add_rope_dimension_count(int(head_dim * (getattr(cfg, "partial_rotary_factor", None) or 1.0)))
     w.add_vocab_size(cfg.vocab_size)
+    if arch != "llama" and getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if getattr(cfg, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if getattr(cfg, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if tokenizer:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
@@ -91,16 +162,23 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
         w.add_add_bos_token(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+    gemma = arch.startswith("gemma")
+    names = {"phi3": _PHI3_NAMES, "qwen3": _QWEN3_NAMES, "gemma2": _SANDWICH_NAMES,
+             "gemma3": _SANDWICH_NAMES}.get(arch, _LLAMA_NAMES)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    tied = bool(getattr(cfg, "tie_word_embeddings", False))
 
     def add(name: str, a: np.ndarray) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if raw_types and name in raw_types:
+        if gemma and name.endswith("norm.weight"):  # convert_hf_to_gguf: Gemma's norm gains + 1
+            a = a + np.float32(1.0)
+        if types and name in types and a.ndim == 2:
+            t = types[name]
+            quantizable = "quantize_blocks" in vars(getattr(gguf.quants, t.name))
+            blocks = gguf.quants.quantize(a, t) if quantizable else random_blocks(a.shape[0], a.shape[1], t,
+                                                                                  zlib.crc32(name.encode()))
+            w.add_tensor(name, blocks, raw_dtype=t)
+        elif raw_types and name in raw_types:
             block, size = gguf.GGML_QUANT_SIZES[raw_types[name]]
             w.add_tensor(name, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8),
                          raw_dtype=raw_types[name])
@@ -112,7 +190,7 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(cfg.num_hidden_layers):
         for hf, gg in names.items():
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias"):  # Qwen2's q/k/v biases
                 a = sd.get(f"model.layers.{i}.{hf}.{kind}")
                 if a is None:
                     continue
@@ -120,7 +198,7 @@ def write_llama_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = N
                     a = permute_qk(a, own.num_attention_heads if gg == "attn_q" else own.num_key_value_heads)
                 add(f"blk.{i}.{gg}.{kind}", a)
     add("output_norm.weight", sd["model.norm.weight"])
-    if not tied:
+    if not getattr(cfg, "tie_word_embeddings", False):
         add("output.weight", sd["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()

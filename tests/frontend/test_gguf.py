@@ -21,7 +21,7 @@ import zlc
 from zlc.frontend.gguf import import_gguf, unpermute_qk
 from zlc.reference.session import ReferenceSession
 from zlc.testing.families import hf_greedy, hf_model
-from zlc.testing.gguf_files import permute_qk, quantize_model, write_llama_gguf
+from zlc.testing.gguf_files import permute_qk, quantize_model, write_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -62,7 +62,7 @@ def test_unpermute_inverts_the_converters_permutation(heads: int, half: int, col
 
 def test_llama_matches_hugging_face(tmp_path: Path) -> None:
     m = hf_model("llama")
-    path = write_llama_gguf(m, tmp_path / "llama.gguf")
+    path = write_gguf(m, tmp_path / "llama.gguf")
     got, logits = zlc_greedy(path, PROMPT, NEW)
     assert got == hf_greedy(m, PROMPT, NEW)
     np.testing.assert_allclose(logits, hf_logits(m, PROMPT), atol=1e-4, rtol=1e-4)
@@ -75,7 +75,7 @@ def test_llama_matches_hugging_face(tmp_path: Path) -> None:
 def test_qwen_matches_hugging_face(tmp_path: Path, family: str) -> None:
     """Qwen2's q/k/v biases, Qwen3's per-head q/k norms; neither is permuted by llama.cpp."""
     m = hf_model(family)
-    path = write_llama_gguf(m, tmp_path / f"{family}.gguf")
+    path = write_gguf(m, tmp_path / f"{family}.gguf")
     ops = import_gguf(path, 64).op_histogram()
     assert ops["RMSNorm"] == 2 * 2 + 1 + (4 if family == "qwen3" else 0)
     got, logits = zlc_greedy(path, PROMPT, NEW)
@@ -87,7 +87,7 @@ def test_tied_embeddings_without_output_weight(tmp_path: Path) -> None:
     m = hf_model("llama")
     m.lm_head.weight = m.model.embed_tokens.weight
     m.config.tie_word_embeddings = True
-    path = write_llama_gguf(m, tmp_path / "tied.gguf")
+    path = write_gguf(m, tmp_path / "tied.gguf")
     g = import_gguf(path, 64)
     head = next(n for n in g.nodes if n.op == "LMHead")
     assert head.inputs[1] is g.consts["token_embd.weight"] and g.metadata["tied_embeddings"]
@@ -99,7 +99,7 @@ def test_tied_embeddings_without_output_weight(tmp_path: Path) -> None:
 def test_q8_0_weights_match_hugging_face_on_the_dequantized_weights(tmp_path: Path) -> None:
     q8 = gguf.GGMLQuantizationType.Q8_0
     m = hf_model("llama")
-    path = write_llama_gguf(m, tmp_path / "q8.gguf", qtype=q8)
+    path = write_gguf(m, tmp_path / "q8.gguf", qtype=q8)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == q8 and types["blk.1.ffn_down.weight"] == q8
     quantize_model(m, q8)  # the same round trip as the file's blocks
@@ -114,7 +114,7 @@ def chat_gguf_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Re
     for the CPU by `zlc compile` (its tokenizer comes from the same file)."""
     tmp = tmp_path_factory.mktemp("gguf")
     m = hf_model("llama-chat")
-    path = write_llama_gguf(m, tmp / "chat.gguf", tokenizer=True)
+    path = write_gguf(m, tmp / "chat.gguf", tokenizer=True)
     out = tmp / "chat.zlc"
     res = cli("compile", path, "--target", "cpu", "--max-seq", "64", "-o", out)
     assert res.exit_code == 0, res.output
@@ -143,7 +143,7 @@ def test_tokenizer_and_default_chat_template_from_the_file(chat_gguf_bundle: tup
 
 def test_verify_inspect_and_run_read_gguf(tmp_path: Path) -> None:
     m = hf_model("llama")
-    path = write_llama_gguf(m, tmp_path / "llama.gguf")
+    path = write_gguf(m, tmp_path / "llama.gguf")
     res = cli("run", path, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "4", "--json")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["generated"] == hf_greedy(m, PROMPT, 4)
@@ -168,7 +168,7 @@ def _write_other_arch(path: Path) -> Path:
 
 
 def _truncated(path: Path) -> Path:
-    write_llama_gguf(hf_model("llama"), path)
+    write_gguf(hf_model("llama"), path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) * 2 // 3])
     return path
@@ -177,11 +177,11 @@ def _truncated(path: Path) -> Path:
 BAD: dict[str, tuple[Any, str]] = {
     "architecture": (_write_other_arch, "'general.architecture' = 'mamba' is not supported"),
     "truncated": (_truncated, "truncated"),
-    "kv heads": (lambda p: write_llama_gguf(hf_model("llama"), p, config={"num_key_value_heads": 3}),
+    "kv heads": (lambda p: write_gguf(hf_model("llama"), p, config={"num_key_value_heads": 3}),
                  "'llama.attention.head_count' (4) is not a multiple of 'llama.attention.head_count_kv' (3)"),
-    "shape": (lambda p: write_llama_gguf(hf_model("llama"), p, config={"intermediate_size": 96}),
+    "shape": (lambda p: write_gguf(hf_model("llama"), p, config={"intermediate_size": 96}),
               "tensor 'blk.0.ffn_gate.weight' has shape [128, 64] but the metadata implies [96, 64]"),
-    "tensor type": (lambda p: write_llama_gguf(hf_model("llama"), p,
+    "tensor type": (lambda p: write_gguf(hf_model("llama"), p,
                                                raw_types={"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q8_1}),
                     "tensor 'blk.0.ffn_up.weight' has type Q8_1"),
 }
@@ -197,3 +197,28 @@ def test_bad_gguf_is_one_error_line(tmp_path: Path, case: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in res.output, res.stderr
     assert "bad.gguf" in lines[0] and expect in lines[0], lines[0]
     assert not (tmp_path / "out.zlc").exists()
+
+
+def test_a_gated_pair_in_two_formats_stays_dense_and_says_why(tmp_path: Path) -> None:
+    """One descriptor word holds the gated pair's format: gate Q8_0 beside up Q4_0 is dequantized
+    (both named in the report's reasons); the other matrices keep the file's blocks."""
+    q = gguf.GGMLQuantizationType
+    path = write_gguf(hf_model("llama"), tmp_path / "pair.gguf", qtype=q.Q4_0,
+                      types={"blk.0.ffn_gate.weight": q.Q8_0})
+    g = import_gguf(path, 64)
+    gate, up = g.consts["blk.0.ffn_gate.weight"], g.consts["blk.0.ffn_up.weight"]
+    assert gate.quant is None and up.quant is None
+    dense = g.metadata["gguf"]["dense"]
+    assert "gated pair 'blk.0.ffn_up.weight' is q4_0" in dense["blk.0.ffn_gate.weight"]
+    assert g.consts["blk.1.ffn_gate.weight"].quant is not None and g.metadata["gguf"]["packed"]["blk.0.attn_q.weight"] == "q4_0"
+
+
+def test_a_gpu_target_gets_the_exact_dequantization(tmp_path: Path) -> None:
+    """The Triton kernel does not stream packed weights: with a GPU target every matrix keeps only
+    its exact dequantization (listed dense with the reason), as the reference reads it."""
+    path = write_gguf(hf_model("llama"), tmp_path / "q41.gguf", qtype=gguf.GGMLQuantizationType.Q4_1)
+    res = zlc.compile(path, targets=["a10", "cpu"], out=tmp_path / "x.zlc", max_seq=64, verify=False,
+                      stop_after="quantize")
+    q = res.build.quantization
+    assert q["packed"] == 0 and "Triton kernel (a10)" in q["dense"]["blk.0.ffn_down.weight"]
+    assert all(v.quant is None for v in res.build.lowered.decode.consts.values())

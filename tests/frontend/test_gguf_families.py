@@ -1,5 +1,5 @@
 """The GGUF frontend on the Qwen2, Qwen3, Gemma (1, 2, 3) and Phi-3 architectures: tiny random Hugging Face
-models written as llama.cpp's converter writes them (zlc.testing.gguf_families), lowered from the
+models written as llama.cpp's converter writes them (zlc.testing.gguf_files), lowered from the
 GGUF file alone. Oracle: Hugging Face `generate` on the same weights (dequantized, for the Q8_0
 file) against zlc's reference session over the synthesized KV cache, and for Gemma 3 (local and
 global layers, two rope bases, q/k norms, sandwich norms) the native C kernel's bundle too.
@@ -49,13 +49,12 @@ def _write(family: str, path: Path, qtype: Any = None, **overrides: Any) -> tupl
     import numpy as np
     import torch
 
-    from zlc.testing.gguf_families import write_family_gguf
-    from zlc.testing.gguf_files import quantize_model
+    from zlc.testing.gguf_files import quantize_model, write_gguf
 
     model = _model(family, **overrides)
     if qtype is not None:
         quantize_model(model, qtype)
-    write_family_gguf(model, path, qtype=qtype)
+    write_gguf(model, path, qtype=qtype, tokenizer=True)
     with torch.no_grad():
         np.save(path.with_suffix(".npy"), model(torch.tensor([SEQ])).logits[0].numpy())
     return path, hf_greedy(model, PROMPT, NEW_TOKENS)
@@ -151,9 +150,9 @@ def _rewrite(src: Path, dst: Path, *, drop: tuple[str, ...] = (), extra: dict[st
 
 @pytest.fixture(scope="module")
 def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from zlc.testing.gguf_families import write_family_gguf
+    from zlc.testing.gguf_files import write_gguf
 
-    return write_family_gguf(_model("phi3"), tmp_path_factory.mktemp("phi3") / "phi3.gguf")
+    return write_gguf(_model("phi3"), tmp_path_factory.mktemp("phi3") / "phi3.gguf", tokenizer=True)
 
 
 def _error(path: Path) -> str:
