@@ -247,14 +247,16 @@ def write_layout(library: Path, tasks: np.ndarray, desc_int: np.ndarray, w: np.n
     """Writes W and Q in the layout `library`'s kernel reads (every Linear matrix in panels, packed
     ones in block panels) into `out`, by running the library's own `zlc_native_layout`: the
     layout is its level's (panels are two vectors wide), and the same code lays it out as a
-    session that copies would, so the mapped and the copied weights are the same bytes. `w`
-    and `q` are the arenas' raw bytes. Returns the manifest entry {file, bytes, w: {offset, bytes},
+    session that copies would, so the mapped and the copied weights are the same bytes. `w` is
+    the W arena (element size 2: bf16 bits, 4: f32), `q` the Q bytes. Returns the manifest entry {file, bytes, w: {offset, bytes},
     q: {offset, bytes}} (file relative to out's parent's parent, i.e. the bundle root)."""
     lib = ctypes.CDLL(str(library))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.zlc_native_layout.restype = ctypes.c_int
     lib.zlc_native_layout.argtypes = [p, p, i64, p, i64, p, i64, p, p]
-    esize = 2 if w.dtype.itemsize == 2 else 4
+    esize = w.dtype.itemsize
+    if esize not in (2, 4):
+        raise NativeBuildError(f"W's elements are 2 (bf16) or 4 (f32) bytes, not {esize}")
     tasks = np.ascontiguousarray(tasks, dtype=np.int32)
     desc_int = np.ascontiguousarray(desc_int, dtype=np.int64)
     wb = np.ascontiguousarray(w).view(np.uint8).reshape(-1)

@@ -221,7 +221,7 @@ def _native_layout(b: Build, prog: Any) -> None:
         return
     assert b.arenas is not None
     W, Q = b.arenas
-    w = W.contiguous().view(torch.uint8).numpy()  # raw bytes: numpy has no bf16
+    w = W.contiguous().view(torch.int16 if W.dtype == torch.bfloat16 else W.dtype).numpy()  # numpy has no bf16
     b.report("native", f"{level}: the weights in its panel layout")
     entry = write_layout(b.tmp / b.native["levels"][level]["library"], prog.task_table(), prog.desc_int, w,
                          Q.contiguous().numpy(), b.tmp / "native" / f"{level}.weights")
