@@ -50,11 +50,12 @@ class Bundle:
     def __init__(self, path: str | Path, *, full_check: bool = False):
         self.path = Path(path)
         # the quick check (sizes, small files hashed, weights sampled: compiler/bundle.py); the full
-        # one hashes every byte (SmolLM2: ~0.3 s, more than a whole session start)
+        # one hashes every byte (SmolLM2 bf16: ~0.8 s, several times a whole session start)
         self.manifest = read_manifest(self.path, check=True, full=full_check)
         self._tokenizer: Any = None
         # generate()'s sessions, one per (device, threads), kept between calls: a native session
-        # starts worker threads and lays out every weight, which costs more than a short answer.
+        # starts worker threads and scratch (and lays out every weight when the bundle has no mapped
+        # layout for this host), which costs more than a short answer.
         self._sessions: dict[tuple[str, int | None], MegakernelSession] = {}
         self._lock = threading.Lock()  # one generate() at a time per session
 

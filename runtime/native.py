@@ -168,6 +168,11 @@ class WeightMap:
             # ~65,000 faults in the first launch (SmolLM2); a cold file is read in here too.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB mappings where the kernel can (large folios, khugepaged)
+            try:  # the decode streams all of it: fewer TLB misses, as with the copy's anonymous THP
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         self.path, self.size = path, size
         self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
 
