@@ -221,9 +221,9 @@ class NativeBackend:
     `tables` replaces the native tiling's task tables (a safetensors file of tasks, desc_int,
     desc_float: shuffled or broken tables in tests); `library` loads another build of the same
     source (a ThreadSanitizer build in tests); `level` picks one of the bundle's ISA levels.
-    `mapped` (default: when the bundle has this level's layout and `library` is not given) reads
-    the weights from the mapped layout file; False lays them out in memory of the session's own.
-    `weights` is the mapping in use (None when copied)."""
+    `mapped` (default: when the bundle has this level's layout and neither `library` nor `tables`
+    is given) reads the weights from the mapped layout file; False lays them out in memory of the
+    session's own. `weights` is the mapping in use (None when copied)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, threads: int | None = None,
                  pin: bool | Sequence[int] = False, debug: bool = False, tables: str | Path | None = None,
@@ -259,9 +259,13 @@ class NativeBackend:
         if Q.dtype != np.uint8:
             raise NativeError(f"{self.bundle}: Q is {arenas['Q'][0]}, packed weights are bytes (U8)")
         self.P = np.array(arenas["P"][1].reshape(-1), dtype=np.float32)
-        layout = native["levels"].get(self.level, {}).get("weights") if library is None else None
+        # the layout is the bundle's level's (panels are two of its vectors wide) for the bundle's
+        # tables' matrices: another library (a test build of another level) or other tables copy
+        layout = native["levels"].get(self.level, {}).get("weights") if library is None and tables is None else None
         if mapped and layout is None:
-            raise NativeError(f"{self.bundle} has no mapped weight layout for {self.level} "
+            raise NativeError("a session on other tables or another library lays the weights out itself"
+                              if library is not None or tables is not None else
+                              f"{self.bundle} has no mapped weight layout for {self.level} "
                               "(compiled without --target cpu, or on a host of another level)")
         self.weights: WeightMap | None = None
         w_ptr, q_ptr = _ptr(W), (_ptr(Q) if Q.size else None)
