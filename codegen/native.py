@@ -19,6 +19,7 @@ the runtime (runtime/native.py) reads.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import numpy as np
 
 from zlc import bundle as fmt
 from zlc.errors import ZlcError
@@ -45,7 +47,8 @@ from .program import Program
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 SOURCE = "native/megakernel.c"
 ENTRY = "zlc_native_launch"
-ABI = 3  # bump when an exported function's signature changes (runtime/native.py checks it); 2: packed weights, 3: batched launches
+ABI = 4  # bump when an exported function's signature changes (runtime/native.py checks it); 2: packed weights,
+# 3: batched launches, 4: zlc_native_layout and mapped weights (zlc_native_create's `mapped`)
 ERROR_BAD_OP = 2  # CTRL[ERROR] flag: the table holds an op code the kernel does not know
 
 # -O3 and the level's -march; no -ffast-math (sums keep their written order); -ffp-contract=fast
@@ -228,3 +231,45 @@ def _store(entry: Path, libs: Sequence[Path]) -> None:
         os.replace(tmp, entry)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The mapped layout's sections start on page boundaries: a session maps the file once and hands the
+# kernel both pointers; page alignment also keeps every panel aligned for the vector loads.
+LAYOUT_ALIGN = 4096
+
+
+def _round_up(n: int, to: int = LAYOUT_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def write_layout(library: Path, tasks: np.ndarray, desc_int: np.ndarray, w: np.ndarray, q: np.ndarray,
+                 out: Path) -> dict[str, Any]:
+    """Writes W and Q in the layout `library`'s kernel reads (every Linear matrix in panels, packed
+    ones in block panels) into `out`, by running the library's own `zlc_native_layout`: the
+    layout is its level's (panels are two vectors wide), and the same code lays it out as a
+    session that copies would, so the mapped and the copied weights are the same bytes. `w` is
+    the W arena (element size 2: bf16 bits, 4: f32), `q` the Q bytes. Returns the manifest entry {file, bytes, w: {offset, bytes},
+    q: {offset, bytes}} (file relative to out's parent's parent, i.e. the bundle root)."""
+    lib = ctypes.CDLL(str(library))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.zlc_native_layout.restype = ctypes.c_int
+    lib.zlc_native_layout.argtypes = [p, p, i64, p, i64, p, i64, p, p]
+    esize = w.dtype.itemsize
+    if esize not in (2, 4):
+        raise NativeBuildError(f"W's elements are 2 (bf16) or 4 (f32) bytes, not {esize}")
+    tasks = np.ascontiguousarray(tasks, dtype=np.int32)
+    desc_int = np.ascontiguousarray(desc_int, dtype=np.int64)
+    wb = np.ascontiguousarray(w).view(np.uint8).reshape(-1)
+    qb = np.ascontiguousarray(q).view(np.uint8).reshape(-1)
+    q_at = _round_up(wb.size)
+    buf = np.zeros(q_at + _round_up(qb.size) if qb.size else max(wb.size, 1), dtype=np.uint8)
+    err = lib.zlc_native_layout(tasks.ctypes.data, desc_int.ctypes.data, desc_int.shape[0], wb.ctypes.data,
+                                wb.size // esize, qb.ctypes.data if qb.size else None, qb.size,
+                                buf.ctypes.data, buf[q_at:].ctypes.data if qb.size else None)
+    if err:
+        raise NativeBuildError(f"{library.name}: the weight layout failed ({os.strerror(err)}): the tables name "
+                               "a matrix outside the arenas or a format this kernel does not stream (a zlc bug)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    buf.tofile(out)
+    return {"file": f"{out.parent.name}/{out.name}", "bytes": int(buf.size), "w": {"offset": 0, "bytes": int(wb.size)},
+            "q": {"offset": int(q_at) if qb.size else 0, "bytes": int(qb.size)}}

@@ -74,6 +74,7 @@ class Build:
     tokenizer_info: dict[str, Any] | None = None
     xdp: Any = None
     native: dict[str, Any] = field(default_factory=dict)  # the manifest's `native` entry
+    arenas: tuple[Any, Any] | None = None  # (W, Q) as written by the weights stage: the native layout's input
     manifest: dict[str, Any] = field(default_factory=dict)
 
     def report(self, stage: str, detail: str = "") -> None:
@@ -179,6 +180,7 @@ def _weights(b: Build) -> None:
     b.report("weights", f"{b.wdtype} arenas")
     W, P, Q = pack_arenas(b.decode, b.programs["cpu"], b.wdtype)
     save_file({"W": W, "P": P, **({"Q": Q} if Q.numel() else {})}, str(b.tmp / "weights.safetensors"))
+    b.arenas = (W, Q)
 
 
 def _native(b: Build) -> None:
@@ -201,6 +203,33 @@ def _native(b: Build) -> None:
     built = build_native(prog, b.tmp / "native", weight_dtype=b.wdtype, version=__version__,
                          progress=lambda s: b.report("native", s))
     b.native = built.manifest()
+    if any(t.name == "cpu" for t in b.targets):
+        _native_layout(b, prog)
+
+
+def _native_layout(b: Build, prog: Any) -> None:
+    """native/<level>.weights: W and Q as the native kernel reads them (Linear matrices in panels),
+    for the best level this host runs, so that sessions of that level map the file instead of
+    laying the weights out (docs/artifact.md, "Mapped native weights"). Panels are two vectors
+    wide, so each level has its own layout; one level only, because each copy costs the size of
+    W + Q in the bundle. A host that runs another level lays the weights out at session start."""
+    import torch
+
+    from zlc.codegen.native import write_layout
+    from zlc.runtime.native import NativeError, select_level
+
+    try:
+        level = select_level(b.native)
+    except NativeError:
+        b.report("native", "no level of the native kernel runs on this host: no mapped weight layout")
+        return
+    assert b.arenas is not None
+    W, Q = b.arenas
+    w = W.contiguous().view(torch.int16 if W.dtype == torch.bfloat16 else W.dtype).numpy()  # numpy has no bf16
+    b.report("native", f"{level}: the weights in its panel layout")
+    entry = write_layout(b.tmp / b.native["levels"][level]["library"], prog.task_table(), prog.desc_int, w,
+                         Q.contiguous().numpy(), b.tmp / "native" / f"{level}.weights")
+    b.native["levels"][level]["weights"] = entry
 
 
 # The builds of each kernel: `release` always; with --debug-waits the diagnostic ones too, which

@@ -12,12 +12,17 @@
     tables/<tiling>.json     the same tables, readable (labels, waits, signals)
     kernels/<target>.cubin, .ptx, .prefill.cubin, .prefill.ptx   per GPU target: decode, prefill
     native/<isa level>.so    the native CPU kernel per ISA level, and its C source
+    native/<level>.weights   with --target cpu: W and Q in that level's panel layout, mapped by its
+                             sessions instead of copied (one level: the compiling host's best)
     ir/prefill.zir, ir/decode.zir the raised IR the kernels were scheduled from
     tokenizer/               tokenizer.json + tokenizer_config.json (optional)
     deploy/                  the XDP program; host setup files from `zlc deploy build`
 
 `load()` refuses a bundle whose format version it does not know or whose files do not match
-their checksums: a tampered or half-copied bundle never reaches a GPU.
+their checksums: a tampered or half-copied bundle never reaches a GPU. At load every file's size is
+checked, small files are hashed whole and large ones (the weights) by a sample of their blocks
+(`quick_check`: hashing SmolLM2's weights alone takes longer than a session start may);
+`verify_checksums` (`zlc inspect BUNDLE`, `zlc.load(path, full_check=True)`) hashes everything.
 
 This module is the whole format: the files and their checksums, and the encoding of the task
 tables and the control block that the kernel and every executor share. Codegen writes it,
@@ -91,14 +96,45 @@ def bundle_files(root: Path) -> Iterator[Path]:
             yield p
 
 
+# The quick check (`quick_check`, at every load): files up to WHOLE_LIMIT bytes are hashed whole;
+# larger ones by sha256 of their size and SAMPLES blocks of SAMPLE_BYTES spread evenly from the
+# first byte to the last (1 MiB of each of SmolLM2's 270 MB weight files, instead of all 540 MB).
+WHOLE_LIMIT = 16 << 20
+SAMPLES, SAMPLE_BYTES = 64, 16 << 10
+
+
+def sampled_sha256(path: Path) -> str:
+    """sha256 of the file's size and SAMPLES blocks spread over it (first and last included):
+    catches a truncated, extended, replaced or half-copied file, not a few bytes changed
+    between the samples (the full check does)."""
+    size = path.stat().st_size
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    last = max(size - SAMPLE_BYTES, 0)
+    with open(path, "rb") as f:
+        for i in range(SAMPLES):
+            f.seek(last * i // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def quick_sums(root: Path, rels: Iterable[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """(size of each file, sampled sha256 of each file over WHOLE_LIMIT): the manifest's
+    `file_bytes` and `file_samples`."""
+    sizes = {rel: (root / rel).stat().st_size for rel in rels}
+    return sizes, {rel: sampled_sha256(root / rel) for rel, n in sizes.items() if n > WHOLE_LIMIT}
+
+
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     """Adds the checksums of every file in the bundle and writes manifest.json."""
     manifest = dict(manifest, format=FORMAT, format_version=FORMAT_VERSION)
     manifest["files"] = {p.relative_to(root).as_posix(): sha256_file(p) for p in bundle_files(root)}
+    manifest["file_bytes"], manifest["file_samples"] = quick_sums(root, manifest["files"])
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
 
 
-def read_manifest(root: Path, *, check: bool = False) -> dict[str, Any]:
+def read_manifest(root: Path, *, check: bool = False, full: bool = False) -> dict[str, Any]:
+    """The bundle's manifest; `check`: after `quick_check` (sizes, small files hashed, large ones
+    sampled), `full`: after `verify_checksums` (every byte hashed)."""
     root = Path(root)
     mpath = root / MANIFEST
     if not root.is_dir():
@@ -114,20 +150,40 @@ def read_manifest(root: Path, *, check: bool = False) -> dict[str, Any]:
     if man.get("format_version") != FORMAT_VERSION:
         raise BundleError(f"{root}: bundle format version {man.get('format_version')!r}; this zlc reads "
                           f"version {FORMAT_VERSION} (recompile the model with this zlc)")
-    if check:
+    if full:
         verify_checksums(root, man)
+    elif check:
+        quick_check(root, man)
     return man
 
 
-def verify_checksums(root: Path, man: dict[str, Any]) -> None:
+def quick_check(root: Path, man: dict[str, Any]) -> None:
+    """What a load checks: every listed file is there with its recorded size and nothing else is;
+    files the manifest has a sampled sha256 for (`file_samples`, over WHOLE_LIMIT) match it, every
+    other file matches its full sha256 (a bundle from before the samples is hashed whole)."""
+    verify_checksums(root, man, full=False)
+
+
+def verify_checksums(root: Path, man: dict[str, Any], *, full: bool = True) -> None:
+    """Every listed file is present, has its size and sha256 (`full=False`: the sampled sha256
+    where the manifest has one), and no file is unlisted. One-line BundleError otherwise."""
     files = man.get("files")
     if not isinstance(files, dict) or not files:
         raise BundleError(f"{root}: the manifest lists no files")
+    sizes: dict[str, int] = man.get("file_bytes") or {}
+    samples: dict[str, str] = {} if full else (man.get("file_samples") or {})
     for rel, digest in files.items():
         p = root / rel
         if not p.is_file():
             raise BundleError(f"{root}: {rel} is missing (the bundle is incomplete)")
-        if sha256_file(p) != digest:
+        if rel in sizes and p.stat().st_size != sizes[rel]:
+            raise BundleError(f"{root}: {rel} does not match its sha256 in the manifest: {p.stat().st_size} "
+                              f"bytes, it says {sizes[rel]} (truncated or modified)")
+        if rel in samples:
+            if sampled_sha256(p) != samples[rel]:
+                raise BundleError(f"{root}: {rel} does not match its sampled sha256 in the manifest "
+                                  "(modified or corrupt)")
+        elif sha256_file(p) != digest:
             raise BundleError(f"{root}: {rel} does not match its sha256 in the manifest (modified or corrupt)")
     extra = [p.relative_to(root).as_posix() for p in bundle_files(root)
              if p.relative_to(root).as_posix() not in files]
@@ -175,4 +231,5 @@ def add_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterabl
             d.rmdir()
             d = d.parent
     man["files"] = dict(sorted(listed.items()))
+    man["file_bytes"], man["file_samples"] = quick_sums(root, man["files"])
     atomic_write(root / MANIFEST, (json.dumps(man, indent=1) + "\n").encode())

@@ -47,12 +47,15 @@ def cuda_device() -> tuple[int, str] | None:
 
 
 class Bundle:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, full_check: bool = False):
         self.path = Path(path)
-        self.manifest = read_manifest(self.path, check=True)
+        # the quick check (sizes, small files hashed, weights sampled: compiler/bundle.py); the full
+        # one hashes every byte (SmolLM2 bf16: ~0.8 s, several times a whole session start)
+        self.manifest = read_manifest(self.path, check=True, full=full_check)
         self._tokenizer: Any = None
         # generate()'s sessions, one per (device, threads), kept between calls: a native session
-        # starts worker threads and lays out every weight, which costs more than a short answer.
+        # starts worker threads and scratch (and lays out every weight when the bundle has no mapped
+        # layout for this host), which costs more than a short answer.
         self._sessions: dict[tuple[str, int | None], MegakernelSession] = {}
         self._lock = threading.Lock()  # one generate() at a time per session
 
@@ -184,6 +187,8 @@ class Bundle:
                               top_p=top_p, seed=seed)
 
 
-def load(path: str | Path) -> Bundle:
-    """Opens a bundle; refuses unknown format versions and files that fail their checksums."""
-    return Bundle(path)
+def load(path: str | Path, *, full_check: bool = False) -> Bundle:
+    """Opens a bundle; refuses unknown format versions and files that fail their checksums: their
+    sizes, small files' sha256 and a sample of large files' blocks, or (`full_check`) every file's
+    sha256 (`zlc inspect BUNDLE` does that too)."""
+    return Bundle(path, full_check=full_check)

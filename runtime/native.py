@@ -12,6 +12,12 @@ Why ctypes: a few C functions, plain pointers and ints; no extension module to b
 Why no torch: the arenas are read as raw bytes (`read_safetensors`), so a server on this executor
 starts in well under a second and never imports torch.
 
+Weights: when the bundle holds the selected level's layout (native/<level>.weights, written by
+`zlc compile --target cpu` with every Linear matrix already in panels), the session maps that file
+read-only and the kernel reads it in place: no copy, and the page cache holds one copy for every
+session and process on the host (`map_weights`). Otherwise the library lays W and Q out in memory
+of its own at session start (0.5-0.9 s for SmolLM2).
+
 Threads default to the CPUs this process may run on (`os.sched_getaffinity`, which is what `zlc
 deploy`'s CPUAffinity= sets); `pin=True` pins worker i to the i-th of them, `pin=[cpus]` to a list.
 """
@@ -22,6 +28,8 @@ import ctypes
 import mmap
 import os
 import platform
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -35,7 +43,7 @@ from zlc.targets import ISA_LEVELS
 
 from .cuda_launch import read_safetensors
 
-ABI = 3  # codegen/native.py's ABI: the exported functions' signatures
+ABI = 4  # codegen/native.py's ABI: the exported functions' signatures
 ERROR_FLAGS = {1: "a wait timed out", 2: "the table holds an op code this kernel does not know"}
 
 
@@ -110,7 +118,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.zlc_native_abi.restype = i32
     lib.zlc_native_level.restype = ctypes.c_char_p
     lib.zlc_native_create.restype = p
-    lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, p, p, i32, p, i32, i32]
+    lib.zlc_native_create.argtypes = [p, p, p, i64, p, p, p, i64, p, i64, i32, p, p, i32, p, i32, i32]
     lib.zlc_native_launch.restype = i32
     lib.zlc_native_launch.argtypes = [p]
     lib.zlc_native_kv_token_floats.restype = i64
@@ -149,16 +157,77 @@ def _arena(n: int) -> np.ndarray:
     return a
 
 
+class WeightMap:
+    """A bundle's native weight layout, mapped read-only and shared (MAP_SHARED: the page cache's
+    pages, one copy for every process on the host). Sessions of one process on the same file
+    share one WeightMap (`map_weights`); it is unmapped when the last of them lets go."""
+
+    def __init__(self, path: Path, size: int):
+        with open(path, "rb") as f:
+            # MAP_POPULATE: the page tables are filled now, from the page cache, instead of by
+            # ~65,000 faults in the first launch (SmolLM2); a cold file is read in here too.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB mappings where the kernel can (large folios, khugepaged)
+            try:  # the decode streams all of it: fewer TLB misses, as with the copy's anonymous THP
+                self.mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.path, self.size = path, size
+        self.bytes = np.frombuffer(self.mm, dtype=np.uint8)
+
+    @property
+    def address(self) -> int:
+        return int(self.bytes.ctypes.data)
+
+
+_MAPS: weakref.WeakValueDictionary[tuple[int, int, int, int], WeightMap] = weakref.WeakValueDictionary()
+_MAPS_LOCK = threading.Lock()
+
+
+def map_weights(bundle: Path, entry: Mapping[str, Any]) -> WeightMap:
+    """The mapping of the layout file `entry` (a level's manifest `weights`) names, shared with the
+    other sessions of this process on the same file (same inode, size and mtime). A file whose
+    size is not the manifest's (truncated, or half copied) is a one-line NativeError, checked
+    here because a read past the end of a mapping is a SIGBUS, not an exception."""
+    path = bundle / str(entry["file"])
+    want = int(entry["bytes"])
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise NativeError(f"{bundle}: the native weight layout {entry['file']} is missing ({e.strerror})") from e
+    if st.st_size != want:
+        raise NativeError(f"{bundle}: {entry['file']} has {st.st_size} bytes, the manifest says {want} "
+                          "(truncated or modified; recompile or copy the bundle again)")
+    for part in ("w", "q"):
+        sec = entry[part]
+        if int(sec["offset"]) + int(sec["bytes"]) > want:
+            raise NativeError(f"{bundle}: the manifest places {part.upper()} outside {entry['file']}")
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _MAPS_LOCK:
+        m = _MAPS.get(key)
+        if m is None:
+            try:
+                m = WeightMap(path, want)
+            except (OSError, ValueError) as e:
+                raise NativeError(f"{bundle}: cannot map {entry['file']} ({e})") from e
+            _MAPS[key] = m
+        return m
+
+
 class NativeBackend:
     """One bundle on this host's cores: a `Backend` for `MegakernelSession`.
 
     `tables` replaces the native tiling's task tables (a safetensors file of tasks, desc_int,
     desc_float: shuffled or broken tables in tests); `library` loads another build of the same
-    source (a ThreadSanitizer build in tests); `level` picks one of the bundle's ISA levels."""
+    source (a ThreadSanitizer build in tests); `level` picks one of the bundle's ISA levels.
+    `mapped` (default: when the bundle has this level's layout and neither `library` nor `tables`
+    is given) reads the weights from the mapped layout file; False lays them out in memory of the
+    session's own. `weights` is the mapping in use (None when copied)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, threads: int | None = None,
                  pin: bool | Sequence[int] = False, debug: bool = False, tables: str | Path | None = None,
-                 level: str | None = None, library: str | Path | None = None):
+                 level: str | None = None, library: str | Path | None = None, mapped: bool | None = None):
         self.bundle = Path(bundle)
         if manifest is None:
             manifest = fmt.read_manifest(self.bundle, check=True)
@@ -184,12 +253,29 @@ class NativeBackend:
         wdt = {"bf16": "BF16", "fp32": "F32"}[str(manifest["dtype"]["weights"])]
         if arenas["W"][0] != wdt:
             raise NativeError(f"{self.bundle}: W is {arenas['W'][0]}, the manifest says {wdt}")
-        W = arenas["W"][1].reshape(-1)  # memory-mapped; the library copies it into its own layout
-        # packed weights (bytes; absent from bundles without any), copied and repacked by the library
+        W = arenas["W"][1].reshape(-1)  # memory-mapped
+        # packed weights (bytes; absent from bundles without any)
         Q = arenas["Q"][1].reshape(-1) if "Q" in arenas else np.zeros(0, dtype=np.uint8)
         if Q.dtype != np.uint8:
             raise NativeError(f"{self.bundle}: Q is {arenas['Q'][0]}, packed weights are bytes (U8)")
         self.P = np.array(arenas["P"][1].reshape(-1), dtype=np.float32)
+        # the layout is the bundle's level's (panels are two of its vectors wide) for the bundle's
+        # tables' matrices: another library (a test build of another level) or other tables copy
+        layout = native["levels"].get(self.level, {}).get("weights") if library is None and tables is None else None
+        if mapped and layout is None:
+            raise NativeError("a session on other tables or another library lays the weights out itself"
+                              if library is not None or tables is not None else
+                              f"{self.bundle} has no mapped weight layout for {self.level} "
+                              "(compiled without --target cpu, or on a host of another level)")
+        self.weights: WeightMap | None = None
+        w_ptr, q_ptr = _ptr(W), (_ptr(Q) if Q.size else None)
+        if layout is not None and mapped is not False:
+            if int(layout["w"]["bytes"]) != W.nbytes or int(layout["q"]["bytes"]) != Q.nbytes:
+                raise NativeError(f"{self.bundle}: {layout['file']} holds {layout['w']['bytes']} + "
+                                  f"{layout['q']['bytes']} bytes of W + Q, the arenas have {W.nbytes} + {Q.nbytes}")
+            self.weights = map_weights(self.bundle, layout)
+            w_ptr = self.weights.address + int(layout["w"]["offset"])
+            q_ptr = self.weights.address + int(layout["q"]["offset"]) if Q.size else None
         self.A = _arena(int(lay["a_size"]))
         self.CTRL = np.zeros(int(lay["ctrl_size"]), dtype=np.int32)
         self.CNT = np.zeros(int(lay["counters_size"]), dtype=np.int32)
@@ -201,13 +287,13 @@ class NativeBackend:
         ctypes.set_errno(0)
         ctx = self.lib.zlc_native_create(
             _ptr(self.TASKS), _ptr(self.DI), _ptr(self.DF), self.DI.shape[0], _ptr(self.CTRL), _ptr(self.CNT),
-            _ptr(W), W.size, _ptr(Q) if Q.size else None, Q.size, _ptr(self.P), _ptr(self.A), self.threads, _ptr(cpus) if cpus.size else None,
-            int(cpus.size), int(bool(debug)))
+            w_ptr, W.size, q_ptr, Q.size, int(self.weights is not None), _ptr(self.P), _ptr(self.A), self.threads,
+            _ptr(cpus) if cpus.size else None, int(cpus.size), int(bool(debug)))
         if not ctx:
             err = ctypes.get_errno()
             raise NativeError(f"the native kernel could not start a session ({os.strerror(err) if err else 'failed'})")
         self._ctx = ctx
-        del W, Q, arenas  # the file mapping: the library has its copy
+        del W, Q, arenas  # weights.safetensors' mapping: the library reads its copy or self.weights
 
     def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
                want_logits: bool) -> tuple[int, np.ndarray | None]:
@@ -266,6 +352,7 @@ class NativeBackend:
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             self.lib.zlc_native_destroy(ctx)
+        self.weights = None  # after the destroy: the last session out unmaps the layout
 
     def __del__(self) -> None:  # a forgotten session must not leave threads spinning
         try:
