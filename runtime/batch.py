@@ -233,6 +233,59 @@ class NativeBatch:
         self.close_all()
 
 
+class TritonBatch(NativeBatch):
+    """`BatchBackend` on the Triton kernel: NativeBatch's pages and checks, its launches the
+    Triton kernel's batched launch (the prefill kernel over the prefill table, the rows' positions
+    and page tables in a batch block; runtime/paged_kv.py), in the interpreter (`device`
+    "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). The page pool lives in
+    the executor's own A arena (`kv` stays None), sized here: `pages` (default: what
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens."""
+
+    def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: str = "interpret",
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, debug: bool = False):
+        bundle = Path(bundle)
+        if manifest is None:
+            manifest = fmt.read_manifest(bundle, check=True)
+        if page_size < 1:
+            raise ZlcError(f"page_size must be at least 1, got {page_size}")
+        self.max_seq = int(manifest["model"]["max_seq"])
+        self.vocab = int(manifest["model"]["vocab"])
+        self.page_size = int(page_size)
+        tiling = "cpu" if device == "interpret" else None
+        if device == "cuda" or device.startswith("cuda:"):
+            from .cuda import CudaBackend
+
+            target_tiling = next(iter(t["tiling"] for t in manifest.get("targets", {}).values() if t.get("tiling")),
+                                 "gpu")
+            tiling = str(target_tiling)
+        if tiling is None:
+            raise ZlcError(f"TritonBatch runs on 'interpret' or 'cuda[:N]', not {device!r}")
+        layout = manifest["tilings"][tiling]["layout"]
+        self.token_floats = int(layout.get("paged_kv", {}).get("tok_floats", -1))
+        if self.token_floats <= 0:
+            raise ZlcError(f"{bundle}: no batched launch for this bundle (recompile it with this zlc; or an attention "
+                           "reads a KV cache no cache_append writes)")
+        if pages is None:
+            pages = max(pages_for(self.max_seq, self.page_size), DEFAULT_KV_BYTES // (4 * self.page_size * self.token_floats))
+        if pages < 1:
+            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
+        self.pages_total = int(pages)
+        self.kv = None
+        if device == "interpret":
+            from .interpret import InterpretBackend
+
+            self.nb = InterpretBackend(bundle, tiling, debug=debug, kv_pages=(self.pages_total, self.page_size))
+        else:
+            index = device.partition(":")[2]
+            self.nb = CudaBackend(bundle, manifest, device=int(index or 0), debug=debug,
+                                  kv_pages=(self.pages_total, self.page_size))
+        self.max_rows = int(layout["chunk"])
+        self._free = list(range(self.pages_total - 1, -1, -1))
+        self._pages = {}
+        self._length = {}
+        self._next_id = 0
+
+
 class SequentialBatch:
     """BatchBackend over one MegakernelSession per open sequence (``max_seqs`` at most), rows run
     one after another. Sessions are made on first need by ``make_session`` and kept for reuse
@@ -340,6 +393,21 @@ def _native_batch(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: 
 
 
 BATCHED["cpu"] = _native_batch
+
+
+def _triton_batch(device: str) -> Callable[..., BatchBackend]:
+    def make(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: int,
+             pages_total: int | None) -> BatchBackend:
+        """TritonBatch for the engine: rows per step are the tiling's chunk; the default budget is
+        max_seqs full max_seq contexts, as SequentialBatch's."""
+        del threads, max_rows  # one kernel launch; rows fixed by the tables: TritonBatch.max_rows
+        pages = pages_total if pages_total is not None else max_seqs * pages_for(bundle.max_seq, DEFAULT_PAGE_SIZE)
+        return TritonBatch(bundle.path, bundle.manifest, device=device, pages=pages)
+    return make
+
+
+BATCHED["interpret"] = _triton_batch("interpret")
+BATCHED["cuda"] = _triton_batch("cuda")
 
 
 def batch_backend(bundle: Any, device: str = "auto", *, threads: int | None = None, max_seqs: int = 8,
