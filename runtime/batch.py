@@ -239,10 +239,12 @@ class TritonBatch(NativeBatch):
     and page tables in a batch block; runtime/paged_kv.py), in the interpreter (`device`
     "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). The page pool lives in
     the executor's own A arena (`kv` stays None), sized here: `pages` (default: what
-    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens."""
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens. Other
+    keywords go to CudaBackend (weights, deadlines, ctrl; the benchmark's)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: str = "interpret",
-                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, debug: bool = False):
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, debug: bool = False,
+                 **backend: Any):
         bundle = Path(bundle)
         if manifest is None:
             manifest = fmt.read_manifest(bundle, check=True)
@@ -251,14 +253,14 @@ class TritonBatch(NativeBatch):
         self.max_seq = int(manifest["model"]["max_seq"])
         self.vocab = int(manifest["model"]["vocab"])
         self.page_size = int(page_size)
-        tiling = "cpu" if device == "interpret" else None
-        if device == "cuda" or device.startswith("cuda:"):
-            from .cuda import CudaBackend
+        if device == "interpret":
+            tiling = "cpu"
+        elif device == "cuda" or device.startswith("cuda:"):
+            from .cuda_launch import gpu_targets
 
-            target_tiling = next(iter(t["tiling"] for t in manifest.get("targets", {}).values() if t.get("tiling")),
-                                 "gpu")
-            tiling = str(target_tiling)
-        if tiling is None:
+            # every GPU target of a bundle shares one tiling (docs/megakernel.md, "Tilings")
+            tiling = str(next(iter(t["tiling"] for t in gpu_targets(manifest).values()), "gpu"))
+        else:
             raise ZlcError(f"TritonBatch runs on 'interpret' or 'cuda[:N]', not {device!r}")
         layout = manifest["tilings"][tiling]["layout"]
         self.token_floats = int(layout.get("paged_kv", {}).get("tok_floats", -1))
@@ -274,11 +276,16 @@ class TritonBatch(NativeBatch):
         if device == "interpret":
             from .interpret import InterpretBackend
 
+            if backend:
+                raise ZlcError(f"TritonBatch on the interpreter takes no {', '.join(backend)}")
+
             self.nb = InterpretBackend(bundle, tiling, debug=debug, kv_pages=(self.pages_total, self.page_size))
         else:
+            from .cuda import CudaBackend
+
             index = device.partition(":")[2]
             self.nb = CudaBackend(bundle, manifest, device=int(index or 0), debug=debug,
-                                  kv_pages=(self.pages_total, self.page_size))
+                                  kv_pages=(self.pages_total, self.page_size), **backend)
         self.max_rows = int(layout["chunk"])
         self._free = list(range(self.pages_total - 1, -1, -1))
         self._pages = {}
