@@ -69,6 +69,16 @@ class BatchBackend(Protocol):
     def close_all(self) -> None: ...   # end of session (threads, memory)
 
 
+class BatchLauncher(Protocol):
+    """What runs a batched launch: NativeBackend, or the Triton kernel's executors (InterpretBackend,
+    CudaBackend), whose page pool lives in their own A (`kv` is then None)."""
+
+    def batch_launch(self, kv: Any, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray,
+                     pages: np.ndarray, lrows: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` positions of one sequence."""
     return -(-tokens // page_size)
@@ -82,6 +92,9 @@ class NativeBatch:
     `NativeBackend` (threads, pin, tables, library, level, debug). The session's own contiguous
     cache (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
 
+    nb: BatchLauncher
+    kv: np.ndarray | None  # the page arena (None: the launcher keeps it, TritonBatch)
+
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *,
                  page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, **backend: Any):
         if manifest is None:
@@ -90,10 +103,10 @@ class NativeBatch:
             raise ZlcError(f"page_size must be at least 1, got {page_size}")
         self.max_seq = int(manifest["model"]["max_seq"])
         self.vocab = int(manifest["model"]["vocab"])
-        self.nb = NativeBackend(bundle, manifest, **backend)
-        self.max_rows = self.nb.chunk
+        self.nb = native = NativeBackend(bundle, manifest, **backend)
+        self.max_rows = native.chunk
         self.page_size = int(page_size)
-        self.token_floats = self.nb.kv_token_floats()
+        self.token_floats = native.kv_token_floats()
         if self.token_floats <= 0:
             self.nb.close()
             raise NativeError(f"{bundle}: an attention reads a KV cache no cache_append writes; this model has "
