@@ -36,7 +36,7 @@ from zlc.bundle import (
 from zlc.codegen.descriptors import AttentionDesc, EmbedDesc
 
 from .event_sim import TaskShape, simulate
-from .latency import CASES, _shape, params_for, sim_params
+from .latency import CASES, params_for, path_shape, sim_params
 from .sass_map import KernelCode, LoopFacts
 from .task_path import task_path
 from .task_tables import TableFacts, waits_of
@@ -160,7 +160,7 @@ def predict_batch(code: KernelCode, tf: TableFacts, man: dict[str, Any], batch: 
         pf = cache.get(key)
         if pf is None:
             pf = cache[key] = task_path(bc, ev, r["op"], len(r["waits"]), kv=kv[i] > 0)  # type: ignore[arg-type]
-        s, priced, _ = _shape(bc, ev, pf, weights[i], kv[i], threads, kv_in_l2)  # type: ignore[arg-type]
+        s, priced, _ = path_shape(bc, ev, pf, weights[i], kv[i], threads, kv_in_l2)  # type: ignore[arg-type]
         unpriced += not priced
         s.op, s.waits, s.level = r["op"], waits[i], levels[i]
         s.l2_bytes = 0.0  # the prefill kernel has no L2 prefetch of the next task
