@@ -427,7 +427,9 @@ def _triton_batch(device: str) -> Callable[..., BatchBackend]:
 
 
 BATCHED["interpret"] = _triton_batch("interpret")
-BATCHED["cuda"] = _triton_batch("cuda")
+# Not "cuda" yet: TritonBatch runs there (bench/device_bench.py's batch sweep), but the latency model
+# prices its step far above the decode kernel's per sequence (docs/performance.md, "Batched decode
+# step"), so the engine keeps SequentialBatch on GPUs until a measured sweep shows the batch pays.
 
 
 def batch_backend(bundle: Any, device: str = "auto", *, threads: int | None = None, max_seqs: int = 8,
