@@ -62,6 +62,13 @@ What is measured (on the device, one GPU, one process)
    - `torch.compile(mode="reduce-overhead")` (CUDA graphs) of the same step;
    - ONNX Runtime's CUDA provider: reported as unavailable when the installed onnxruntime lacks it
      (the device image's onnxruntime is the CPU build).
+2b. Batch sweep (`batch_sweep`): decode steps of B = 1, 4, 16, 64 sequences in one launch
+   (runtime/batch.py's TritonBatch on the cuda executor: the prefill kernel over the rows, each
+   with its own position and page table over a paged KV cache). Every row is checked against the
+   same sequence run alone (prompt + SWEEP_CHECK greedy steps on zlc's single-sequence session,
+   the batch teacher-forced with its tokens: logits and argmax per row and step); then the step's
+   wall time (median, p99), aggregate tok/s = B / step, the ratio to batch 1 (the issue's aim:
+   <= 1.3x at 16, <= 2x at 64 on an H200) and the step with every row's logits copied back.
 3. HBM floor: the bytes one zlc decode step reads (manifest roofline: bf16 weights + f32 KV cache at
    the mean context of the timed steps) divided by the device-to-device copy bandwidth measured
    here (bytes read + written / time), and each engine's median / floor.
@@ -459,6 +466,13 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
 
 WARM_STEPS = 8
 TTFT_REPS = 10
+# The batch sweep (TritonBatch on the cuda executor: one launch of the prefill kernel per step over
+# rows of B sequences, a paged KV cache; docs/megakernel.md "Batched steps and the paged KV cache")
+BATCH_SIZES = (1, 4, 16, 64)
+SWEEP_PROMPT = 64  # tokens of each row's own prompt
+SWEEP_CHECK = 4  # decode steps per row compared with the same sequence run alone
+SWEEP_STEPS = 32  # timed batched decode steps per batch size (and as many again with every row's logits)
+SWEEP_TIE = 1e-3  # an argmax that differs where the alone run's top-2 margin is below this is a tie, not a failure
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -768,6 +782,100 @@ def time_torch(fn: Any, prompt: list[int], n: int, dev: torch.device, graphs: bo
     return {"ttft": ttft, "decode": lat, "tokens": toks, "warmup_seconds": warm}
 
 
+@torch.no_grad()
+def batch_sweep(m: Loaded, dev: torch.device, g: torch.Generator, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Decode steps of B sequences in one launch (TritonBatch over CudaBackend, the prefill kernel)
+    for each B in `sizes`: first every row against the same sequence run alone on zlc's
+    single-sequence session (its prompt, then SWEEP_CHECK greedy steps, the batch fed the alone
+    run's tokens: logits compared per row and step), then the step's wall time (launch, the
+    batch block's copy, the kernel, the sync; median and p99 over SWEEP_STEPS steps) without
+    logits and with every row's logits copied back (what a serving engine that samples on the
+    host pays), and aggregate tokens/s = B / median step."""
+    from zlc.runtime.batch import TritonBatch, pages_for
+
+    vocab = m.cfg.vocab
+    prompts = [torch.randint(0, vocab, (SWEEP_PROMPT,), generator=g).tolist() for _ in range(max(sizes))]
+    alone: list[tuple[list[Any], list[int]]] = []  # per row: logits after the prompt and each step, greedy tokens
+    for p in prompts:
+        m.sess.reset()
+        _, lg = m.sess.prefill(p, want_logits=True)
+        lgs, toks = [lg[-1]], []
+        for _ in range(SWEEP_CHECK):
+            toks.append(int(lgs[-1].argmax()))
+            _, lg = m.sess.step(toks[-1], want_logits=True)
+            lgs.append(lg[-1])
+        alone.append((lgs, toks))
+    m.sess.reset()
+    ctx = SWEEP_PROMPT + SWEEP_CHECK + WARM_STEPS + 2 * SWEEP_STEPS
+    tb = TritonBatch(m.slim, m.manifest, device=f"cuda:{dev.index or 0}", pages=max(sizes) * pages_for(ctx, 16),
+                     weights=m.host, first_launch_deadline_s=FIRST_LAUNCH_DEADLINE_S, deadline_s=UNTIMED_DEADLINE_S)
+    out: dict[str, Any] = {"max_rows": tb.max_rows, "prompt": SWEEP_PROMPT, "sizes": {}}
+    try:
+        for b in sizes:
+            seqs = [tb.open() for _ in range(b)]
+            err, ties = 0.0, 0
+            ok_rows = [True] * b
+
+            def check(r: int, got: Any, want: Any, ok_rows: list[bool] = ok_rows) -> None:
+                nonlocal err, ties
+                e, same, tie = _row_diff(got, want)
+                err = max(err, e)
+                ties += tie
+                ok_rows[r] &= same or tie
+
+            # the prompts, as many whole ones per launch as its rows hold (several sequences' prefill rows)
+            r = 0
+            while r < b:
+                k = max(1, min(b - r, tb.max_rows // SWEEP_PROMPT))
+                got = tb.step([(seqs[r + i], prompts[r + i]) for i in range(k)], [True] * k)
+                for i in range(k):
+                    check(r + i, got[i], alone[r + i][0][0])
+                r += k
+            for s in range(SWEEP_CHECK):
+                got = tb.step([(seqs[r], [alone[r][1][s]]) for r in range(b)], [True] * b)
+                for r in range(b):
+                    check(r, got[r], alone[r][0][s + 1])
+            rows_equal = sum(ok_rows)
+            tb.nb.deadline_s = None  # timed steps block in cuStreamSynchronize
+            feed = [(seqs[r], [alone[r][1][-1]]) for r in range(b)]
+            for _ in range(WARM_STEPS):
+                tb.step(feed, [False] * b)
+            times: dict[str, list[float]] = {"none": [], "all": []}
+            for want in ("none", "all"):
+                for _ in range(SWEEP_STEPS):
+                    t = time.perf_counter()
+                    tb.step(feed, [want == "all"] * b)
+                    times[want].append(time.perf_counter() - t)
+            tb.nb.deadline_s = UNTIMED_DEADLINE_S
+            med = statistics.median(times["none"])
+            out["sizes"][str(b)] = {"step_us_median": med * 1e6, "step_us_p99": pct(times["none"], 99) * 1e6,
+                                    "tok_s": b / med, "step_us_with_logits": statistics.median(times["all"]) * 1e6,
+                                    "rows_equal_alone": rows_equal, "rows": b, "argmax_ties": ties,
+                                    "max_abs_logit_err": err}
+            print(f"{m.cfg.name} batch {b}: {out['sizes'][str(b)]}", flush=True)
+            for q in seqs:
+                tb.close(q)
+            tb.check_pages()
+    finally:
+        tb.close_all()
+    base = out["sizes"].get("1", {}).get("step_us_median")
+    for v in out["sizes"].values():
+        v["step_vs_batch1"] = v["step_us_median"] / base if base else None
+    out["ok"] = all(v["rows_equal_alone"] == v["rows"] for v in out["sizes"].values())
+    return out
+
+
+def _row_diff(got: Any, want: Any) -> tuple[float, bool, bool]:
+    """(max abs logit error, argmax equal, a tie: differs where want's top-2 margin < SWEEP_TIE)."""
+    import numpy as np
+
+    e = float(np.abs(got - want).max())
+    if int(np.argmax(got)) == int(np.argmax(want)):
+        return e, True, False
+    top = np.sort(want)[-2:]
+    return e, False, bool(top[1] - top[0] < SWEEP_TIE)
+
+
 def ort_status() -> str:
     try:
         import onnxruntime as ort
@@ -830,6 +938,25 @@ def write_report(out: Path, res: dict[str, Any]) -> str:
             lines.append(f"| {name} | {eng} | {_fmt(e.get('ttft_ms'), '.3f')} | {_fmt(med, '.1f')} | "
                          f"{_fmt(e.get('decode_us_p99'), '.1f')} | {_fmt(e.get('decode_us_mean', med), '.1f')} | "
                          f"{_fmt(floor, '.1f')} | {ratio} |")
+    sweeps = {n: m["batch_sweep"] for n, m in res["models"].items() if m.get("batch_sweep")}
+    if sweeps:
+        lines += ["", "## Batch sweep (TritonBatch: B sequences' decode rows in one launch, paged KV cache)", "",
+                  f"Each row's own prompt of {SWEEP_PROMPT} tokens; every row checked against the same sequence "
+                  "run alone (zlc's single-sequence session, teacher-forced); step = wall time of one batched step "
+                  f"(batch block copy, launch, sync), median of {SWEEP_STEPS}.", "",
+                  "| model | batch | step µs median | p99 | vs batch 1 | tok/s | step µs with every row's logits | "
+                  "rows equal alone | max abs logit err |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, sw in sweeps.items():
+            if "skipped" in sw or "error" in sw:
+                lines.append(f"| {name} | {sw.get('skipped') or sw.get('error')} | | | | | | | |")
+                continue
+            for b, v in sw["sizes"].items():
+                ratio = v.get("step_vs_batch1")
+                lines.append(f"| {name} | {b} | {v['step_us_median']:.1f} | {v['step_us_p99']:.1f} | "
+                             f"{_fmt(ratio, '.2f')} | {v['tok_s']:.0f} | {v['step_us_with_logits']:.1f} | "
+                             f"{v['rows_equal_alone']}/{v['rows']}"
+                             + (f" ({v['argmax_ties']} ties)" if v["argmax_ties"] else "")
+                             + f" | {v['max_abs_logit_err']:.3g} |")
     drv = res.get("driver")
     if drv:
         lines += ["", "## Driver and cubins", "",
@@ -983,6 +1110,20 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             stop_if_stuck(exc, out, res)
         print(f"{name}: zlc {r['engines']}", flush=True)
     write_report(out, res)
+    # phase 2b: the batch sweep (batched steps of 1..64 sequences, each row checked against it alone)
+    for name, m in loaded.items():
+        r = res["models"][name]
+        if left() < 90:
+            r["batch_sweep"] = {"skipped": f"skipped: {left():.0f} s of budget left"}
+            continue
+        res["phase"] = f"{name}: batch sweep"
+        try:
+            r["batch_sweep"] = batch_sweep(m, dev, g, BATCH_SIZES)
+        except Exception as exc:  # noqa: BLE001
+            r["batch_sweep"] = {"error": f"failed: {type(exc).__name__}: {exc}"}
+            print(f"{name}: batch sweep FAILED {r['batch_sweep']['error']}", flush=True)
+            stop_if_stuck(exc, out, res)
+        write_report(out, res)
     for name, m in loaded.items() if peers else ():
         r = res["models"][name]
         res["phase"] = f"{name}: PyTorch eager timing"
@@ -1024,6 +1165,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
     res["seconds"] = time.perf_counter() - start
     print(write_report(out, res), flush=True)
     ok = all(res["models"][n].get("correctness", {}).get("tokens_equal") for n in names)
+    ok &= all(res["models"][n].get("batch_sweep", {}).get("ok", True) for n in names)
     return 0 if ok else 1
 
 

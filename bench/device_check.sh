@@ -12,7 +12,10 @@
 # reference, 1 when one differs or fails, 2 when the inputs or the GPU are missing, 3 when a launch
 # overran its deadline (the report says which task waits for which event), 124 on the time limit.
 # Order: driver version and which cubins it loads; per model the first launch of each kernel in
-# its debug build under a 20 s deadline, correctness; one traced decode step; then the timings.
+# its debug build under a 20 s deadline, correctness; one traced decode step; then the timings;
+# then the batch sweep (batched decode steps of 1, 4, 16 and 64 sequences in one launch of the
+# prefill kernel over a paged KV cache: every row checked against the same sequence run alone,
+# step latency and aggregate tok/s; device_bench.md's "Batch sweep" table).
 # What it measures and why the weights are generated on the device: bench/device_bench.py's docstring.
 #
 # Time budget: the whole script ends within TOTAL_S = 450 s (7.5 min; the issue allows 8) whatever
@@ -34,7 +37,9 @@
 #                 per model: < 30 s per model even at the 10 ms per token the latency model allows
 #                 for today's Llama-1B shape; PyTorch eager about as long. torch.compile
 #                 (reduce-overhead, ~1-2 min a model) starts only with >= 150 s of BUDGET_S left,
-#                 largest model first; rows it cannot start are marked skipped.
+#                 largest model first; rows it cannot start are marked skipped. The batch sweep
+#                 (before torch.compile, only with >= 90 s of budget left): per model 64 prompts run
+#                 alone (~320 launches) and ~100 batched steps per batch size: seconds per model.
 # Run it with the device tool's timeout_s >= 470 (the machine's start is extra). A rerun on a warm
 # machine can take a subset: MODELS="tiny smollm2-135m" TOTAL_S=240 bash bench/device_check.sh.
 # BENCH_ARGS passes further options to device_bench.py (e.g. "--no-peers" for a zlc-only sweep of

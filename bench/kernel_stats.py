@@ -4,6 +4,7 @@
     python bench/kernel_stats.py --bundle X.zlc ...    # or read bundles made elsewhere
     python bench/kernel_stats.py --json | --markdown   # machine-readable / the docs table
     python bench/kernel_stats.py --markdown --save-json r.json   # both at once
+    python bench/kernel_stats.py --batch 1 4 16 64     # the batched decode step (prefill kernel), per B
 
 Bundles are the shape-faithful random-weight models of `bench/device_bench.py` (`Config`, `MODELS`,
 its plain-torch `Llama`), compiled here with `zlc.compile(module, ...)` for a10 (sm_86) and h200
@@ -84,10 +85,18 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--save-json", type=Path, default=None, help="also write the reports as JSON to this file")
+    ap.add_argument("--batch", type=int, nargs="*", default=None,
+                    help="price batched decode steps of these batch sizes instead (zlc.kernelmodel.batch_step)")
     a = ap.parse_args()
     targets = tuple(a.targets or TARGETS)
     bundles = list(a.bundle) or [build(m, a.cache, targets, a.max_seq, a.rebuild) for m in a.models]
     if a.build_only:
+        return 0
+    if a.batch:
+        rows = [batch_rows(b, [t for t in targets if t in _gpu_targets(b)], a.batch, a.context) for b in bundles]
+        if a.save_json is not None:
+            a.save_json.write_text(json.dumps(rows, indent=1))
+        print(render_batch([r for rs in rows for r in rs], " ".join(["python bench/kernel_stats.py", *sys.argv[1:]])))
         return 0
     from zlc.kernelmodel.report import bundle_report, render_markdown, render_text
 
@@ -126,6 +135,76 @@ def _add_goals(rep: dict[str, object]) -> None:
             "value": f"{us:,.1f} µs", "met": us <= goal,
             "stopped_by": "" if us <= goal else f"{us - goal:,.0f} µs over; the floor alone is {floor:,.0f} µs, so the "
                           "per-level latency term of the 1.6x-floor check is what stops it (same critical path)"})
+
+
+# The issue's aims for the batched decode step (issue 25): on h200, batch 16 <= 1.3x and batch 64
+# <= 2x the single-sequence decode step (batch 1, the decode kernel).
+BATCH_AIMS = {16: 1.3, 64: 2.0}
+
+
+def batch_rows(bundle: Path, targets: list[str], sizes: list[int], context: int | None) -> list[dict[str, object]]:
+    """Per target: the decode kernel's single-sequence step and the batched step at each size,
+    with the HBM terms (weights once, every row's KV cache) that bound it."""
+    from zlc.bundle import read_manifest
+    from zlc.kernelmodel.batch_step import predict_batch
+    from zlc.kernelmodel.latency import params_for, predict
+    from zlc.kernelmodel.sass_map import KernelCode
+    from zlc.kernelmodel.task_tables import table_facts
+    from zlc.kernelmodel.triton_source import KernelSource
+
+    man = read_manifest(bundle)
+    src = KernelSource((bundle / man["kernel"]["source"]).read_text(), man["kernel"]["entry"])
+    ctx = context or int(man["model"]["max_seq"])
+    out: list[dict[str, object]] = []
+    tfs: dict[str, object] = {}
+    for t in targets:
+        tiling = man["targets"][t]["tiling"]
+        tf = tfs.setdefault(tiling, table_facts(bundle, tiling, src, man, ctx))
+        one = predict(KernelCode(bundle, t, man, src, kernel="decode"), tf, man, ctx)  # type: ignore[arg-type]
+        code = KernelCode(bundle, t, man, src, kernel="prefill")
+        bw = params_for(t, "central").hbm_gbs * 1e3  # bytes per µs
+        base = one.us["central"]
+        out.append({"model": man["model"]["name"], "target": t, "context": ctx, "batch": "1 (decode kernel)",
+                    "us": one.us, "ratio": 1.0, "tok_s": 1e6 / base, "weights": one.bytes_per_step, "kv": None,
+                    "hbm_floor_us": one.bytes_per_step / bw, "busy": {}})
+        for b in sizes:
+            p = predict_batch(code, tf, man, b, ctx)  # type: ignore[arg-type]
+            c = p.us["central"]
+            nbytes = sum(p.bytes_per_step.values())
+            row: dict[str, object] = {"model": man["model"]["name"], "target": t, "context": ctx, "batch": b,
+                                      "us": p.us, "ratio": c / base, "tok_s": b * 1e6 / c,
+                                      "weights": p.bytes_per_step["weights"], "kv": p.bytes_per_step["kv"],
+                                      "hbm_floor_us": nbytes / bw, "kv_floor_us": p.bytes_per_step["kv"] / bw,
+                                      "busy": p.per_op_busy_us, "unpriced_tasks": p.unpriced_tasks}
+            aim = BATCH_AIMS.get(b)
+            if aim is not None and t == "h200":
+                row["aim"] = f"<= {aim:g}x batch 1"
+                row["met"] = c <= aim * base
+            out.append(row)
+    return out
+
+
+def render_batch(rows: list[dict[str, object]], command: str) -> str:
+    lines = [f"`{command}` (µs central, low-high; ratio and tok/s at central)", "",
+             "| model | target | batch | step µs | low-high | vs batch 1 | tok/s | weights MB | KV MB | HBM floor µs "
+             "| of which KV | busy µs: linear / attention | aim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        us = r["us"]
+        assert isinstance(us, dict)
+        busy = r.get("busy") or {}
+        assert isinstance(busy, dict)
+        kv = r.get("kv")
+        aim = "" if "aim" not in r else f"{r['aim']}: {'met' if r['met'] else 'NOT met'}"
+        split = "-" if not busy else f"{busy.get('linear', 0):,.0f} / {busy.get('attention', 0):,.0f}"
+        lines.append(f"| {r['model']} | {r['target']} | {r['batch']} | {us['central']:,.1f} | "
+                     f"{us['low']:,.0f}-{us['high']:,.0f} | {r['ratio']:.2f} | {r['tok_s']:,.0f} | "
+                     f"{int(r['weights']) / 1e6:,.1f} | {'-' if kv is None else f'{int(kv) / 1e6:,.1f}'} | "  # type: ignore[call-overload]
+                     f"{float(r['hbm_floor_us']):,.1f} | "  # type: ignore[arg-type]
+                     f"{'-' if kv is None else format(float(r['kv_floor_us']), ',.1f')} | "  # type: ignore[arg-type]
+                     f"{split} | "
+                     f"{aim} |")
+    return "\n".join(lines)
 
 
 def _gpu_targets(bundle: Path) -> list[str]:

@@ -33,11 +33,11 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # How the loop calls each op body (the names are the kernel's locals).
 _CALLS = {
-    fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, BLOCK_T, BLOCK_E)",
-    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
+    fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, bat, BLOCK_T, BLOCK_E)",
+    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, bat, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
                    "                      BLOCK_T, DOT_PRECISION, KV_SPLITS, DEBUG, STEP)",
-    fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, BLOCK_T, HEAD_P2)",
-    fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
+    fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, bat, BLOCK_T, HEAD_P2)",
+    fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, bat, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
     fmt.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
     fmt.OP_ARGMAX: "op_argmax(DI, CTRL, A, d)",
     fmt.OP_ROW_NORM: "op_row_norm(DI, DF, P, A, d, a, b, T, BLOCK_T, BLOCK_K)",

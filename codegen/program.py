@@ -20,9 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from zlc.bundle import CNT_EVENTS, CTRL_TOKENS, HEADER_WORDS, MAX_WAITS, OP_LINEAR, OP_NAMES, TASK_WORDS
+from zlc.bundle import (
+    CNT_EVENTS,
+    CTRL_TOKENS,
+    HEADER_WORDS,
+    MAX_WAITS,
+    OP_ATTENTION,
+    OP_CACHE_APPEND,
+    OP_LINEAR,
+    OP_NAMES,
+    TASK_WORDS,
+)
 
-from .descriptors import LinearDesc
+from .descriptors import AttentionDesc, CacheAppendDesc, LinearDesc
 
 # ---- norm and activation codes (descriptor fields) -----------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
@@ -184,6 +194,38 @@ class Program:
         first = lo // PF_UNIT
         units = max(0, -(-hi // PF_UNIT) - first)
         return [first, units, (w2_off + t.a * k) // PF_UNIT if w2_off >= 0 else -1, 0]
+
+    def kv_page_map(self) -> dict[str, Any]:
+        """The paged KV cache's map for batched launches (runtime/paged_kv.py; the native kernel
+        builds the same one at session start, map_kv_caches): `tok_floats` F, the floats of one
+        token over every cache a cache_append task writes (KV heads x head size each, in order of
+        first appearance), and per descriptor `k` / `v`, where the K and V caches of a
+        cache_append or attention descriptor start in a page's token (-1 for other descriptors).
+        F is -1 when an attention reads a cache no cache_append writes: no batched launch then."""
+        tasks = [t for mode in ("prefill", "decode") for t in self.tables.get(mode, [])]
+        width: dict[int, int] = {}  # cache offset -> floats per token (insertion order: slice order)
+        for t in tasks:
+            if t.op == OP_CACHE_APPEND:
+                di = self.desc_int[t.desc]
+                for f in (CacheAppendDesc.k_cache, CacheAppendDesc.v_cache):
+                    o = int(di[f])
+                    width[o] = max(width.get(o, 0), (t.a + 1) * int(di[CacheAppendDesc.head_dim]))
+        tok: dict[int, int] = {}
+        f_total = 0
+        for o, w in width.items():
+            tok[o], f_total = f_total, f_total + w
+        k = [-1] * len(self.desc_int)
+        v = [-1] * len(self.desc_int)
+        for t in tasks:
+            if t.op not in (OP_CACHE_APPEND, OP_ATTENTION):
+                continue
+            di = self.desc_int[t.desc]
+            kf, vf = ((AttentionDesc.k_cache, AttentionDesc.v_cache) if t.op == OP_ATTENTION
+                      else (CacheAppendDesc.k_cache, CacheAppendDesc.v_cache))
+            k[t.desc], v[t.desc] = tok.get(int(di[kf]), -1), tok.get(int(di[vf]), -1)
+            if k[t.desc] < 0 or v[t.desc] < 0:
+                f_total = -1
+        return {"tok_floats": f_total, "k": k, "v": v}
 
     def counters_size(self) -> int:
         return CNT_EVENTS + max(self.n_events, 1)

@@ -557,7 +557,8 @@ def _write_tables(root: Path, key: str, prog: Any, debug: bool) -> dict[str, Any
             "constexprs": prog.constexprs(debug=debug), "grid": prog.tiling.grid, "summary": prog.summary(),
             "layout": {"a_size": prog.a_size, "ctrl_size": prog.ctrl_size(),
                        "counters_size": prog.counters_size(), "chunk": prog.tiling.chunk,
-                       "logits": {"offset": lb.offset, "rows": lb.rows, "cols": lb.cols}}}
+                       "logits": {"offset": lb.offset, "rows": lb.rows, "cols": lb.cols},
+                       "paged_kv": prog.kv_page_map()}}
 
 
 def _write_ir(root: Path, lowered: Lowered) -> None:

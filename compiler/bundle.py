@@ -61,6 +61,15 @@ ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or los
 # first timeout claims it with a compare-and-swap), then its target, the count it saw, and the
 # low 32 bits of the waiting task's row address (the host knows where it put TASKS)
 CTRL_ERR_EVENT, CTRL_ERR_TARGET, CTRL_ERR_SEEN, CTRL_ERR_ROW = 7, 8, 9, 10
+# A batched launch of the Triton kernel (prefill table, rows of several sequences over a paged KV
+# cache; runtime/paged_kv.py): the A offset of its batch block (int32 words in A, written by the
+# host before the launch), 0 for an ordinary launch. Read once per launch, like the words above.
+CTRL_BATCH = 11
+# The batch block: BATCH_HEADER words, then the cache map kv_k[n_desc], kv_v[n_desc] (per
+# descriptor, where its K / V cache starts in a page's token, -1 none), pos[cap], pt[cap],
+# lrows[cap] and the step's page tables. BATCH_KV_BASE is the page pool's A offset / 16.
+BATCH_PAGE_SIZE, BATCH_N_LROWS, BATCH_TOK_FLOATS, BATCH_KV_BASE, BATCH_CAP, BATCH_N_DESC = range(6)
+BATCH_HEADER = 16
 
 # ---- counters (CNT, int32) -------------------------------------------------------------------
 CNT_QUEUE, CNT_EXIT = 0, 1

@@ -84,6 +84,16 @@ class BatchBackend(Protocol):
     def close_all(self) -> None: ...   # end of session (threads, memory)
 
 
+class BatchLauncher(Protocol):
+    """What runs a batched launch: NativeBackend, or the Triton kernel's executors (InterpretBackend,
+    CudaBackend), whose page pool lives in their own A (`kv` is then None)."""
+
+    def batch_launch(self, kv: Any, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray,
+                     pages: np.ndarray, lrows: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold `tokens` positions of one sequence."""
     return -(-tokens // page_size)
@@ -224,6 +234,9 @@ class NativeBatch:
     (threads, pin, tables, library, level, debug). The session's own contiguous cache
     (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
 
+    nb: BatchLauncher
+    kv: np.ndarray | None  # the page arena (None: the launcher keeps it, TritonBatch)
+
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *,
                  page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, cache_pages: int | None = None,
                  **backend: Any):
@@ -233,10 +246,10 @@ class NativeBatch:
             raise ZlcError(f"page_size must be at least 1, got {page_size}")
         self.max_seq = int(manifest["model"]["max_seq"])
         self.vocab = int(manifest["model"]["vocab"])
-        self.nb = NativeBackend(bundle, manifest, **backend)
-        self.max_rows = self.nb.chunk
+        self.nb = native = NativeBackend(bundle, manifest, **backend)
+        self.max_rows = native.chunk
         self.page_size = int(page_size)
-        self.token_floats = self.nb.kv_token_floats()
+        self.token_floats = native.kv_token_floats()
         if self.token_floats <= 0:
             self.nb.close()
             raise NativeError(f"{bundle}: an attention reads a KV cache no cache_append writes; this model has "
@@ -404,6 +417,66 @@ class NativeBatch:
         self.close_all()
 
 
+class TritonBatch(NativeBatch):
+    """`BatchBackend` on the Triton kernel: NativeBatch's pages and checks, its launches the
+    Triton kernel's batched launch (the prefill kernel over the prefill table, the rows' positions
+    and page tables in a batch block; runtime/paged_kv.py), in the interpreter (`device`
+    "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). The page pool lives in
+    the executor's own A arena (`kv` stays None), sized here: `pages` (default: what
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens. Other
+    keywords go to CudaBackend (weights, deadlines, ctrl; the benchmark's)."""
+
+    def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: str = "interpret",
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, debug: bool = False,
+                 **backend: Any):
+        bundle = Path(bundle)
+        if manifest is None:
+            manifest = fmt.read_manifest(bundle, check=True)
+        if page_size < 1:
+            raise ZlcError(f"page_size must be at least 1, got {page_size}")
+        self.max_seq = int(manifest["model"]["max_seq"])
+        self.vocab = int(manifest["model"]["vocab"])
+        self.page_size = int(page_size)
+        if device == "interpret":
+            tiling = "cpu"
+        elif device == "cuda" or device.startswith("cuda:"):
+            from .cuda_launch import gpu_targets
+
+            # every GPU target of a bundle shares one tiling (docs/megakernel.md, "Tilings")
+            tiling = str(next(iter(t["tiling"] for t in gpu_targets(manifest).values()), "gpu"))
+        else:
+            raise ZlcError(f"TritonBatch runs on 'interpret' or 'cuda[:N]', not {device!r}")
+        layout = manifest["tilings"][tiling]["layout"]
+        self.token_floats = int(layout.get("paged_kv", {}).get("tok_floats", -1))
+        if self.token_floats <= 0:
+            raise ZlcError(f"{bundle}: no batched launch for this bundle (recompile it with this zlc; or an attention "
+                           "reads a KV cache no cache_append writes)")
+        if pages is None:
+            pages = max(pages_for(self.max_seq, self.page_size), DEFAULT_KV_BYTES // (4 * self.page_size * self.token_floats))
+        if pages < 1:
+            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
+        self.pages_total = int(pages)
+        self.kv = None
+        if device == "interpret":
+            from .interpret import InterpretBackend
+
+            if backend:
+                raise ZlcError(f"TritonBatch on the interpreter takes no {', '.join(backend)}")
+
+            self.nb = InterpretBackend(bundle, tiling, debug=debug, kv_pages=(self.pages_total, self.page_size))
+        else:
+            from .cuda import CudaBackend
+
+            index = device.partition(":")[2]
+            self.nb = CudaBackend(bundle, manifest, device=int(index or 0), debug=debug,
+                                  kv_pages=(self.pages_total, self.page_size), **backend)
+        self.max_rows = int(layout["chunk"])
+        self._free = list(range(self.pages_total - 1, -1, -1))
+        self._pages = {}
+        self._length = {}
+        self._next_id = 0
+
+
 class SequentialBatch:
     """BatchBackend over one MegakernelSession per open sequence (``max_seqs`` at most), rows run
     one after another. Sessions are made on first need by ``make_session`` and kept for reuse
@@ -548,6 +621,23 @@ def _native_batch(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: 
 
 
 BATCHED["cpu"] = _native_batch
+
+
+def _triton_batch(device: str) -> Callable[..., BatchBackend]:
+    def make(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: int,
+             pages_total: int | None) -> BatchBackend:
+        """TritonBatch for the engine: rows per step are the tiling's chunk; the default budget is
+        max_seqs full max_seq contexts, as SequentialBatch's."""
+        del threads, max_rows  # one kernel launch; rows fixed by the tables: TritonBatch.max_rows
+        pages = pages_total if pages_total is not None else max_seqs * pages_for(bundle.max_seq, DEFAULT_PAGE_SIZE)
+        return TritonBatch(bundle.path, bundle.manifest, device=device, pages=pages)
+    return make
+
+
+BATCHED["interpret"] = _triton_batch("interpret")
+# Not "cuda" yet: TritonBatch runs there (bench/device_bench.py's batch sweep), but the latency model
+# prices its step far above the decode kernel's per sequence (docs/performance.md, "Batched decode
+# step"), so the engine keeps SequentialBatch on GPUs until a measured sweep shows the batch pays.
 
 
 def batch_backend(bundle: Any, device: str = "auto", *, threads: int | None = None, max_seqs: int = 8,

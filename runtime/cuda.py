@@ -82,6 +82,7 @@ from .cuda_launch import (
     read_safetensors,
     select_target,
 )
+from .paged_kv import BatchLayout, batch_layout
 
 log = logging.getLogger("zlc.runtime.cuda")
 
@@ -113,7 +114,8 @@ class CudaBackend:
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: int = 0,
                  debug: bool = False, target: str | None = None, ctrl: str = "mapped",
                  weights: Mapping[str, np.ndarray] | None = None, driver: Driver | None = None,
-                 first_launch_deadline_s: float = 30.0, deadline_s: float | None = None):
+                 first_launch_deadline_s: float = 30.0, deadline_s: float | None = None,
+                 kv_pages: tuple[int, int] | None = None):
 
         if ctrl not in ("mapped", "device"):
             raise CudaError(f"ctrl must be 'mapped' or 'device', got {ctrl!r}")
@@ -136,6 +138,8 @@ class CudaBackend:
         self._fns: dict[tuple[str, str], tuple[Any, LaunchConfig, PackedParams]] = {}
         self._labels: dict[int, tuple[list[str], list[str]]] = {}
         self.drv: Driver = driver if driver is not None else CudaDriver()
+        self.kv_pages = kv_pages  # (pages, page_size): room in A for batched launches (runtime/paged_kv.py)
+        self.batch: BatchLayout | None = None
         try:
             self._setup(device, target, weights)
         except BaseException:
@@ -171,8 +175,12 @@ class CudaBackend:
         for param, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
             ptr[param] = self._upload(np.ascontiguousarray(tables[key][1]))
         ptr["W"], ptr["P"] = self._upload_weights(weights)
-        ptr["A"] = self._alloc(4 * int(lay["a_size"]))
-        drv.memset(ptr["A"], 4 * int(lay["a_size"]))  # as the interpreter's: no stale NaNs in unwritten rows
+        a_floats = int(lay["a_size"])
+        if self.kv_pages is not None:  # the batch block and the page pool, past the layout's buffers
+            self.batch, self.kv_k, self.kv_v = batch_layout(lay, int(man["model"]["max_seq"]), *self.kv_pages)
+            a_floats += self.batch.extra_floats
+        ptr["A"] = self._alloc(4 * a_floats)
+        drv.memset(ptr["A"], 4 * a_floats)  # as the interpreter's: no stale NaNs in unwritten rows
         self.cnt_words = int(lay["counters_size"])
         # a trace build writes its records after the counters (zlc.runtime.trace)
         self.trace_offset = tr.trace_offset(int(self.tasks[4]))
@@ -401,6 +409,37 @@ class CudaBackend:
         if not want_logits:
             return tok, None
         return tok, self._logits_host[:rows * self.logits_cols].reshape(rows, self.logits_cols).copy()
+
+    def batch_launch(self, kv: object, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray,
+                     pages: np.ndarray, lrows: np.ndarray) -> np.ndarray:
+        """One batched launch (NativeBackend.batch_launch's protocol; runtime/paged_kv.py): the
+        batch block is copied into A on the launch's stream, CTRL_BATCH names it, the prefill
+        kernel runs the prefill table over the rows, and the logits of rows `lrows` come back
+        ([len(lrows), vocab]). The pages live in A (`kv` is unused; `kv_pages` sized them)."""
+        del kv
+        if self.batch is None or page_size != self.batch.page_size:
+            raise CudaError("this CUDA session has no page pool of that page size (kv_pages)")
+        self._usable()
+        self.drv.activate()
+        words = self.batch.words(self.kv_k, self.kv_v, pos, pt, pages, lrows)
+        self._batch_words = words  # kept alive until the copy has run (the wait below)
+        build = self._build_for("prefill")
+        self.ctrl[fmt.CTRL_BATCH] = self.batch.block  # before _write_ctrl: ctrl="device" copies it then
+        self._write_ctrl(fmt.MODE_PREFILL, [int(t) for t in tokens], 0, False, auto_advance=False)
+        self.drv.htod(self.pointers["A"] + 4 * self.batch.block, _host_address(words), words.nbytes, self._stream)
+        self._launch_kernel(fmt.MODE_PREFILL, build)
+        self._read_ctrl_back()
+        n = len(lrows)
+        if n:
+            self.drv.dtoh(_host_address(self._logits_host), self.pointers["A"] + 4 * self.logits_offset,
+                          4 * n * self.logits_cols, self._stream)
+        try:
+            self._wait(fmt.MODE_PREFILL, build)
+        finally:
+            self.ctrl[fmt.CTRL_BATCH] = 0
+        self._check(fmt.MODE_PREFILL)
+        self.checked.add("prefill")
+        return self._logits_host[:n * self.logits_cols].reshape(n, self.logits_cols).copy()
 
     def decode_chain(self, token: int, past: int, n: int, *, graph: bool = False) -> list[int]:
         """n greedy decode steps from `token` at cache position `past`, one host synchronisation.

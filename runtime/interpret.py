@@ -22,15 +22,20 @@ import numpy as np
 from zlc import bundle as fmt
 from zlc.errors import ZlcError
 
+from .paged_kv import BatchLayout, batch_layout
+
 
 class InterpretBackend:
-    def __init__(self, bundle: Path, tiling: str, *, debug: bool = False, tables: Path | None = None):
+    def __init__(self, bundle: Path, tiling: str, *, debug: bool = False, tables: Path | None = None,
+                 kv_pages: tuple[int, int] | None = None):
         """`tables` replaces the bundle's task tables for `tiling` (a safetensors file with tasks,
-        desc_int, desc_float): tests run shuffled or deliberately broken tables this way."""
+        desc_int, desc_float): tests run shuffled or deliberately broken tables this way.
+        `kv_pages` = (pages, page_size) makes room in A for batched launches' page pool
+        (runtime/paged_kv.py; `batch_launch`)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_worker, args=(child, str(bundle), tiling, debug,
-                                                       str(tables) if tables else None), daemon=True,
+                                                       str(tables) if tables else None, kv_pages), daemon=True,
                                  name="zlc-interpret")
         self._proc.start()
         child.close()
@@ -50,6 +55,15 @@ class InterpretBackend:
     def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
                want_logits: bool) -> tuple[int, np.ndarray | None]:
         return self._call(("launch", mode, ids, past, all_logits, want_logits))  # type: ignore[no-any-return]
+
+    def batch_launch(self, kv: object, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray,
+                     pages: np.ndarray, lrows: np.ndarray) -> np.ndarray:
+        """One batched launch (NativeBackend.batch_launch's protocol): row r is token tokens[r] at
+        position pos[r] of the sequence whose page table starts at pages[pt[r]]; the pages live in
+        this worker's A (`kv` is unused: the pool was sized by `kv_pages`, its page_size must
+        match). Returns the logits of rows `lrows` ([len(lrows), vocab])."""
+        del kv
+        return self._call(("batch", page_size, tokens, pos, pt, pages, lrows))  # type: ignore[no-any-return]
 
     def close(self) -> None:
         if self._proc.is_alive():
@@ -93,11 +107,12 @@ def _fast_device_calls() -> None:
     cls._zlc_fast = True
 
 
-def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str | None) -> None:
+def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str | None,
+            kv_pages: tuple[int, int] | None) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         _fast_device_calls()
-        state = _KernelState(Path(bundle), tiling, debug, Path(tables) if tables else None)
+        state = _KernelState(Path(bundle), tiling, debug, Path(tables) if tables else None, kv_pages)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.recv()
         conn.send(("error", f"cannot load the kernel: {type(e).__name__}: {e}"))
@@ -114,6 +129,8 @@ def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str
                 conn.send(("ok", None))
             elif msg[0] == "launch":
                 conn.send(("ok", state.launch(*msg[1:])))
+            elif msg[0] == "batch":
+                conn.send(("ok", state.batch_launch(*msg[1:])))
             else:
                 conn.send(("error", f"unknown request {msg[0]!r}"))
         except ZlcError as e:
@@ -125,7 +142,8 @@ def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str
 class _KernelState:
     """Arenas and tables of one bundle as CPU tensors, and the kernel function."""
 
-    def __init__(self, bundle: Path, tiling: str, debug: bool, tables: Path | None):
+    def __init__(self, bundle: Path, tiling: str, debug: bool, tables: Path | None,
+                 kv_pages: tuple[int, int] | None = None):
         import torch
         from safetensors.torch import load_file
 
@@ -152,10 +170,33 @@ class _KernelState:
         t = load_file(str(tables or bundle / tl["tables"]))
         self.TASKS, self.DI, self.DF = t["tasks"], t["desc_int"], t["desc_float"]
         lay = tl["layout"]
-        self.A = torch.zeros(lay["a_size"], dtype=torch.float32)
+        self.batch: BatchLayout | None = None
+        extra = 0
+        if kv_pages is not None:
+            self.batch, self.kv_k, self.kv_v = batch_layout(lay, int(man["model"]["max_seq"]), *kv_pages)
+            extra = self.batch.extra_floats
+        self.A = torch.zeros(lay["a_size"] + extra, dtype=torch.float32)
         self.CTRL = torch.zeros(lay["ctrl_size"], dtype=torch.int32)
         self.CNT = torch.zeros(lay["counters_size"], dtype=torch.int32)
         self.logits = lay["logits"]
+
+    def batch_launch(self, page_size: int, tokens: np.ndarray, pos: np.ndarray, pt: np.ndarray, pages: np.ndarray,
+                     lrows: np.ndarray) -> np.ndarray:
+        import torch
+
+        if self.batch is None or page_size != self.batch.page_size:
+            raise ZlcError("this interpreter session has no page pool of that page size (kv_pages)")
+        words = self.batch.words(self.kv_k, self.kv_v, pos, pt, pages, lrows)
+        blk = self.batch.block
+        self.A.view(torch.int32)[blk:blk + len(words)] = torch.from_numpy(words)
+        self.CTRL[fmt.CTRL_BATCH] = blk
+        try:
+            self.launch(fmt.MODE_PREFILL, [int(t) for t in tokens], 0, False, False)
+        finally:
+            self.CTRL[fmt.CTRL_BATCH] = 0
+        lg = self.logits
+        n = len(lrows)
+        return self.A[lg["offset"]:lg["offset"] + n * lg["cols"]].view(n, lg["cols"]).numpy().copy()
 
     def launch(self, mode: int, ids: list[int], past: int, all_logits: bool,
                want_logits: bool) -> tuple[int, np.ndarray | None]:

@@ -29,7 +29,8 @@ from .sass_map import KernelCode, KernelStatsError, SyncCounts
 from .task_path import PathFacts, nest, task_path
 from .task_tables import TableFacts, waits_of
 
-__all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "predict", "sim_params", "task_shapes"]
+__all__ = ["CASES", "LatencyParams", "Prediction", "params_for", "path_shape", "predict", "sim_params",
+           "task_shapes"]
 
 CASES = ("low", "central", "high")  # low: every range at its fast end
 
@@ -136,7 +137,7 @@ def task_shapes(code: KernelCode, tables: TableFacts, context: int, l2_mb: float
             pf = task_path(code, ev, r["op"], len(r["waits"]), kv=tr.kv[i] > 0)
             vals = tuple(tuple(code.successors(b, ev)) for b in pf.decisions)
             cache.setdefault(key, []).append((pf.decisions, vals, pf))
-        s, priced, c = _shape(code, ev, pf, tr.weights[i], tr.kv[i], threads, kv_in_l2)
+        s, priced, c = path_shape(code, ev, pf, tr.weights[i], tr.kv[i], threads, kv_in_l2)
         cls = classes.get((pf.body, pf.variants))
         if cls is None:
             cls = classes[(pf.body, pf.variants)] = {"sample_task": i, "tasks": 0, "path": pf, "shape": s,
@@ -165,8 +166,10 @@ def _prefetchable(tabs: Any, r: dict[str, Any]) -> int:
     return max(0, r["b"] - r["a"]) * int(di[LinearDesc.k]) * item * (2 if int(di[LinearDesc.w2]) >= 0 else 1)
 
 
-def _shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float, threads: int,
-           kv_in_l2: bool) -> tuple[TaskShape, bool, float]:
+def path_shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: float, threads: int,
+               kv_in_l2: bool) -> tuple[TaskShape, bool, float]:
+    """One task's simulation shape from its path and bytes: (shape, priced, CTRL loads); the
+    batched step (batch_step.py) prices the prefill kernel's tasks with it too."""
     s = TaskShape(op=-1, waits=[])
     prefetch = min(float(wbytes), pf.prefetch_per_thread * threads)
     s.pre_rt = float(pf.pre_rt or 0)

@@ -316,6 +316,31 @@ def test_prediction_is_ordered_above_the_floor_and_explained(report: dict[str, A
     assert not floor["met"] and "11 levels" in floor["stopped_by"]
 
 
+def test_batched_step_reads_weights_once_and_every_rows_cache(bundle: Path) -> None:
+    """The batched decode step (prefill kernel, prefill table, T = B rows over a paged cache):
+    the same weight bytes at every batch size, the KV bytes B times one row's, every task priced
+    from a path through the machine code, slower with more rows but far less than B times."""
+    from zlc.bundle import read_manifest
+    from zlc.kernelmodel.batch_step import predict_batch
+    from zlc.kernelmodel.sass_map import KernelCode
+    from zlc.kernelmodel.task_tables import table_facts
+    from zlc.kernelmodel.triton_source import KernelSource
+
+    man = read_manifest(bundle)
+    src = KernelSource((bundle / man["kernel"]["source"]).read_text(), man["kernel"]["entry"])
+    tf = table_facts(bundle, "gpu", src, man, 64)
+    code = KernelCode(bundle, "h200", man, src, kernel="prefill")
+    one, many = (predict_batch(code, tf, man, b, 64) for b in (4, 16))
+    assert one.bytes_per_step["weights"] == many.bytes_per_step["weights"] > 0
+    assert many.bytes_per_step["kv"] == 4 * one.bytes_per_step["kv"] > 0
+    assert one.unpriced_tasks == many.unpriced_tasks == 0
+    assert one.us["low"] <= one.us["central"] <= one.us["high"]
+    assert one.us["central"] < many.us["central"] < 4 * one.us["central"]
+    assert many.per_op_busy_us["attention"] > one.per_op_busy_us["attention"]
+    with pytest.raises(ValueError, match="1..64"):
+        predict_batch(code, tf, man, 65, 64)
+
+
 @pytest.fixture(scope="module")
 def masked_bundle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A Llama whose row lengths split into no 32-column chunks (hidden 48, mlp 80): no specialized

@@ -451,6 +451,53 @@ def test_session_and_decode_chain(bundle: Path, manifest: dict[str, Any], ctrl: 
         be.close()
 
 
+def test_batched_launch_host_protocol(bundle: Path, manifest: dict[str, Any]) -> None:
+    """TritonBatch on the cuda executor (over the fake driver: the host's side of a batched
+    launch, which the interpreter tests cannot see): A holds the batch block and the page pool past
+    the layout's buffers; each step copies the block the kernel reads, names it in CTRL[BATCH]
+    for the prefill kernel's launch only, and reads back the logits rows asked for."""
+    from zlc.runtime.batch import TritonBatch
+    from zlc.runtime.paged_kv import batch_layout
+
+    drv = FakeDriver()
+    drv.layout = manifest["tilings"]["gpu"]["layout"]
+    drv.vocab = manifest["model"]["vocab"]
+    drv.names = [p["name"] for p in manifest["targets"][zl.select_target(manifest, drv.cc, sms=drv.sms)]["params"]]
+    seen: list[tuple[int, bytes]] = []
+    lay, kv_k, kv_v = batch_layout(drv.layout, manifest["model"]["max_seq"], 6, 4)
+
+    def on_launch(ptrs: dict[str, int], image: bytes) -> None:
+        word = ctypes.c_int32.from_address(ptrs["CTRL"] + 4 * fmt.CTRL_BATCH).value
+        seen.append((word, _bytes(ptrs["A"] + 4 * lay.block, 4 * lay.block_words) if word else b""))
+
+    drv.on_launch = on_launch
+    tb = TritonBatch(bundle, manifest, device="cuda", page_size=4, pages=6, driver=drv)
+    try:
+        be = tb.nb
+        assert isinstance(be, zc.CudaBackend) and be.batch is not None and be.batch == lay
+        assert tb.max_rows == drv.layout["chunk"] and tb.token_floats == drv.layout["paged_kv"]["tok_floats"] > 0
+        a, b = tb.open(), tb.open()
+        got = tb.step([(a, [3, 4, 5]), (b, [7])], [True, False])
+        assert got[1] is None and got[0] is not None and got[0].shape == (drv.layout["logits"]["cols"],)
+        # the toy kernel's logits row 0 (the batched kernel gathers the lrows rows into the first rows)
+        assert int(got[0].argmax()) == toy_next(3, 0, drv.vocab)
+        prefill_img = (bundle / manifest["targets"][be.target]["prefill"]["cubin"]).read_bytes()
+        assert drv.launches[-1]["image"] == prefill_img
+        want = lay.words(kv_k, kv_v, np.array([0, 1, 2, 0]), np.array([0, 0, 0, 1]), np.array([0, 1]),
+                         np.array([2]))
+        assert seen[-1] == (lay.block, want.tobytes())
+        assert be.ctrl[fmt.CTRL_BATCH] == 0  # ordinary launches after it see no batch
+        tok, _ = be.launch(fmt.MODE_DECODE, [9], 3, False, False)
+        assert seen[-1] == (0, b"") and tok == toy_next(9, 3, drv.vocab)
+        got = tb.step([(b, [8]), (a, [6])], [True, True])
+        assert [int(g.argmax()) for g in got if g is not None] == [toy_next(8, 0, drv.vocab), toy_next(6, 1, drv.vocab)]
+        assert tb.pages_of(a) == [0] and tb.pages_of(b) == [1]
+        tb.check_pages()
+    finally:
+        tb.close_all()
+    assert drv.closed and not drv.buffers and not drv.host
+
+
 def test_error_flag_and_counters(bundle: Path, manifest: dict[str, Any]) -> None:
     be, drv = _fake_backend(bundle, manifest)
     drv.flag_error = fmt.ERROR_WAIT_TIMEOUT
