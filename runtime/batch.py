@@ -260,11 +260,15 @@ class NativeBatch:
         if pages < 1:
             self.nb.close()
             raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
-        if cache_pages is None:
-            cache_pages = DEFAULT_KV_BYTES // page_bytes
         self.pages_total = int(pages)
         # np.zeros: untouched pages cost no memory until a sequence first writes them
         self.kv = np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
+        self._init_pages(cache_pages)
+
+    def _init_pages(self, cache_pages: int | None) -> None:
+        """The page pool and the per-sequence records (pages_total, page_size, token_floats set)."""
+        if cache_pages is None:
+            cache_pages = DEFAULT_KV_BYTES // (4 * self.page_size * self.token_floats)
         self.pool = PagePool(self.pages_total, self.page_size, min(int(cache_pages), self.pages_total))
         self._pages: dict[int, list[int]] = {}
         self._length: dict[int, int] = {}
@@ -319,6 +323,8 @@ class NativeBatch:
 
     def page_kv(self, page: int) -> np.ndarray:
         """The arena's floats of `page` (every layer's K and V of its positions): a view."""
+        if self.kv is None:
+            raise ZlcError("this batch's pages live in its executor's arena (TritonBatch), not on the host")
         n = self.page_size * self.token_floats
         return self.kv[page * n:(page + 1) * n]
 
@@ -423,12 +429,13 @@ class TritonBatch(NativeBatch):
     and page tables in a batch block; runtime/paged_kv.py), in the interpreter (`device`
     "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). The page pool lives in
     the executor's own A arena (`kv` stays None), sized here: `pages` (default: what
-    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens. Other
-    keywords go to CudaBackend (weights, deadlines, ctrl; the benchmark's)."""
+    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens, with the
+    shared-prefix cache as on NativeBatch (`cache_pages`). Other keywords go to CudaBackend
+    (weights, deadlines, ctrl; the benchmark's)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: str = "interpret",
-                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, debug: bool = False,
-                 **backend: Any):
+                 page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, cache_pages: int | None = None,
+                 debug: bool = False, **backend: Any):
         bundle = Path(bundle)
         if manifest is None:
             manifest = fmt.read_manifest(bundle, check=True)
@@ -471,10 +478,7 @@ class TritonBatch(NativeBatch):
             self.nb = CudaBackend(bundle, manifest, device=int(index or 0), debug=debug,
                                   kv_pages=(self.pages_total, self.page_size), **backend)
         self.max_rows = int(layout["chunk"])
-        self._free = list(range(self.pages_total - 1, -1, -1))
-        self._pages = {}
-        self._length = {}
-        self._next_id = 0
+        self._init_pages(cache_pages)
 
 
 class SequentialBatch:
@@ -625,12 +629,12 @@ BATCHED["cpu"] = _native_batch
 
 def _triton_batch(device: str) -> Callable[..., BatchBackend]:
     def make(bundle: Any, *, threads: int | None, max_seqs: int, max_rows: int,
-             pages_total: int | None) -> BatchBackend:
+             pages_total: int | None, cache_pages: int | None) -> BatchBackend:
         """TritonBatch for the engine: rows per step are the tiling's chunk; the default budget is
         max_seqs full max_seq contexts, as SequentialBatch's."""
         del threads, max_rows  # one kernel launch; rows fixed by the tables: TritonBatch.max_rows
         pages = pages_total if pages_total is not None else max_seqs * pages_for(bundle.max_seq, DEFAULT_PAGE_SIZE)
-        return TritonBatch(bundle.path, bundle.manifest, device=device, pages=pages)
+        return TritonBatch(bundle.path, bundle.manifest, device=device, pages=pages, cache_pages=cache_pages)
     return make
 
 
