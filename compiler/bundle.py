@@ -219,10 +219,17 @@ def add_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterabl
     """Writes `files` ({relative path: bytes}) into a finished bundle and records their sha256 in
     its manifest, after deleting the files in `remove` (and their manifest entries), so `zlc.load`
     still verifies the bundle. The bundle's checksums are checked first: a tampered bundle is
-    refused, never re-blessed. Modes default to 0644."""
+    refused, never re-blessed. Replacing the weights file removes the native kernel's mapped
+    layouts derived from it. Modes default to 0644."""
     root = Path(bundle)
     man = read_manifest(root)
     verify_checksums(root, man)
+    if man.get("weights", {}).get("file") in files:
+        # the native kernel's mapped layouts are derived from the weights: stale once they change,
+        # so they go, and sessions lay the new weights out themselves (docs/artifact.md)
+        for entry in man.get("native", {}).get("levels", {}).values():
+            if "weights" in entry:
+                remove = [*remove, entry.pop("weights")["file"]]
     listed: dict[str, str] = dict(man["files"])
     for rel in [*remove, *files]:
         parts = Path(rel).parts
