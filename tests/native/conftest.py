@@ -3,11 +3,11 @@ native_helpers.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from native_helpers import MODELS, Built, tsan_build
+from native_helpers import MODELS, Alone, Built, tsan_build
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +40,12 @@ def tsan(built: Callable[..., Built], tmp_path_factory: pytest.TempPathFactory) 
     lib = tmp_path_factory.mktemp("tsan") / "megakernel-tsan.so"
     rt = tsan_build(built("llama"), lib)
     return lib, rt
+
+
+@pytest.fixture
+def llama(built: Callable[..., Built]) -> Iterator[tuple[Built, Alone]]:
+    """The tiny Llama and its oracle, each request run alone (test_native_batch, test_native_prefix_cache)."""
+    b = built("llama")
+    alone = Alone(b)
+    yield b, alone
+    alone.close()

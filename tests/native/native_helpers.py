@@ -115,3 +115,30 @@ def tsan_build(b: Built, lib: Path) -> Path:
     level = isa_levels_for(platform.machine())[-1]
     compile_library(b.path / b.manifest["native"]["source"], lib, level, gcc, extra=("-fsanitize=thread", "-g", "-O1"))
     return Path(rt)
+
+
+class Alone:
+    """The oracle: a request run by itself (prefill, then greedy steps) on one MegakernelSession,
+    memoized per (prompt, steps)."""
+
+    def __init__(self, b: Built, **kw: object):
+        self.s = b.session(threads=2, **kw)
+        self.memo: dict[tuple[tuple[int, ...], int], list[np.ndarray]] = {}
+
+    def logits(self, prompt: list[int], steps: int) -> list[np.ndarray]:
+        """[vocab] logits after the prompt, then after each of `steps` greedy tokens."""
+        key = (tuple(prompt), steps)
+        if key not in self.memo:
+            self.s.reset()
+            _, lg = self.s.prefill(prompt, want_logits=True)
+            assert lg is not None
+            out = [lg[-1]]
+            for _ in range(steps):
+                _, lg = self.s.step(int(np.argmax(out[-1])), want_logits=True)
+                assert lg is not None
+                out.append(lg[0])
+            self.memo[key] = out
+        return self.memo[key]
+
+    def close(self) -> None:
+        self.s.close()

@@ -7,14 +7,14 @@ else shares the launch (decode rows, prefill chunks of other sequences), and the
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from native_helpers import ATOL, Built
+from native_helpers import ATOL, Alone, Built
 
 from zlc.codegen.native import find_compiler
 from zlc.codegen.shuffle import random_topological_order, write_tables
@@ -27,41 +27,6 @@ pytestmark = pytest.mark.skipif(find_compiler()[0] is None, reason="no C compile
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
-
-
-class Alone:
-    """The oracle: a request run by itself (prefill, then greedy steps) on one MegakernelSession,
-    memoized per (prompt, steps)."""
-
-    def __init__(self, b: Built, **kw: object):
-        self.s = b.session(threads=2, **kw)
-        self.memo: dict[tuple[tuple[int, ...], int], list[np.ndarray]] = {}
-
-    def logits(self, prompt: list[int], steps: int) -> list[np.ndarray]:
-        """[vocab] logits after the prompt, then after each of `steps` greedy tokens."""
-        key = (tuple(prompt), steps)
-        if key not in self.memo:
-            self.s.reset()
-            _, lg = self.s.prefill(prompt, want_logits=True)
-            assert lg is not None
-            out = [lg[-1]]
-            for _ in range(steps):
-                _, lg = self.s.step(int(np.argmax(out[-1])), want_logits=True)
-                assert lg is not None
-                out.append(lg[0])
-            self.memo[key] = out
-        return self.memo[key]
-
-    def close(self) -> None:
-        self.s.close()
-
-
-@pytest.fixture
-def llama(built: Callable[..., Built]) -> Iterator[tuple[Built, Alone]]:
-    b = built("llama")
-    alone = Alone(b)
-    yield b, alone
-    alone.close()
 
 
 def _batch(b: Built, **kw: object) -> NativeBatch:

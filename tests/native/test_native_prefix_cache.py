@@ -8,27 +8,19 @@ checksums do not move while they stay keyed); every page is free or cached at th
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from native_helpers import Built
-from test_native_batch import Alone, _assert_row, _batch, _prompt
+from native_helpers import Alone, Built
+from test_native_batch import _assert_row, _batch, _prompt
 
 from zlc.codegen.native import find_compiler
 from zlc.runtime.batch import NativeBatch
 
 pytestmark = pytest.mark.skipif(find_compiler()[0] is None, reason="no C compiler on this host")
-
-
-@pytest.fixture
-def llama(built: Callable[..., Built]) -> Iterator[tuple[Built, Alone]]:
-    b = built("llama")
-    alone = Alone(b)
-    yield b, alone
-    alone.close()
 
 
 class Keyed:
