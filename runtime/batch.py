@@ -125,16 +125,24 @@ class NativeBatch:
             self.nb.close()
             raise NativeError(f"{bundle}: an attention reads a KV cache no cache_append writes; this model has "
                               "no batched launch")
-        page_bytes = 4 * self.page_size * self.token_floats
-        if pages is None:
-            pages = max(pages_for(self.max_seq, self.page_size), DEFAULT_KV_BYTES // page_bytes)
-        if pages < 1:
+        try:
+            self.pages_total = self._budget(pages)
+        except ZlcError:
             self.nb.close()
-            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
-        self.pages_total = int(pages)
+            raise
         # np.zeros: untouched pages cost no memory until a sequence first writes them
         self.kv = np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
         self._init_pages(cache_pages)
+
+    def _budget(self, pages: int | None) -> int:
+        """The KV budget in pages (page_size, token_floats and max_seq set): `pages`, or by default
+        what DEFAULT_KV_BYTES holds and at least one full max_seq sequence."""
+        if pages is None:
+            pages = max(pages_for(self.max_seq, self.page_size),
+                        DEFAULT_KV_BYTES // (4 * self.page_size * self.token_floats))
+        if pages < 1:
+            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
+        return int(pages)
 
     def _init_pages(self, cache_pages: int | None) -> None:
         """The page pool and the per-sequence records (pages_total, page_size, token_floats set)."""
@@ -329,11 +337,7 @@ class TritonBatch(NativeBatch):
         if self.token_floats <= 0:
             raise ZlcError(f"{bundle}: no batched launch for this bundle (recompile it with this zlc; or an attention "
                            "reads a KV cache no cache_append writes)")
-        if pages is None:
-            pages = max(pages_for(self.max_seq, self.page_size), DEFAULT_KV_BYTES // (4 * self.page_size * self.token_floats))
-        if pages < 1:
-            raise ZlcError(f"the KV budget must be at least 1 page, got {pages}")
-        self.pages_total = int(pages)
+        self.pages_total = self._budget(pages)
         self.kv = None
         if device == "interpret":
             from .interpret import InterpretBackend
