@@ -74,7 +74,10 @@ class HealthWatch(threading.Thread):
         self.halt = threading.Event()
 
     def run(self) -> None:
-        while not self.halt.is_set():
+        # One poll always follows the halt, so the last status is the one after the test's own
+        # recovery check (a poll that was sleeping or slow when it passed cannot end the list).
+        while True:
+            stopping = self.halt.is_set()
             try:
                 code, body = health(self.server)
                 seen = (code, str(body.get("status")))
@@ -82,7 +85,9 @@ class HealthWatch(threading.Thread):
                 seen = (0, type(e).__name__)
             if not self.statuses or self.statuses[-1] != seen:
                 self.statuses.append(seen)
-            time.sleep(0.05)
+            if stopping:
+                return
+            self.halt.wait(0.05)
 
     def __enter__(self) -> HealthWatch:
         self.start()
