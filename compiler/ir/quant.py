@@ -47,6 +47,7 @@ class WeightFormat:
     block_bytes: int
     block_k: int = BLOCK  # K-values per block (256: the K-quants' super-blocks)
     quantizable: bool = True  # gguf's Python quantizer writes it (the K-quants: llama.cpp's only)
+    triton: bool = False  # the Triton kernel streams it as a Linear weight (else dense with a GPU target)
 
     @property
     def bytes_per_weight(self) -> float:
