@@ -139,8 +139,9 @@ def _graphs(lowered: Any) -> list[Graph]:
 
 
 def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] | None:
-    """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF):
-    which matrices stay packed in which format, which are dense and why; None when none is packed.
+    """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF,
+    an ONNX model's MatMulNBits int4 weights): which matrices stay packed in which format, which
+    are dense and why; None when none is packed (nor an ONNX MatMulNBits weight left dense).
     With a GPU target the blocks are dropped (every constant keeps its exact dequantization as
     data): the Triton kernel does not stream packed weights yet."""
     graphs = _graphs(lowered)
@@ -149,10 +150,14 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
         for v in g.consts.values():
             if v.quant is not None:
                 packed.setdefault(v.name, v.quant)
-    if not packed:
-        return None
     meta = next((g.metadata.get("gguf") for g in graphs if g.metadata.get("gguf")), None) or {}
-    dense = dict(meta.get("dense", {}))
+    # an ONNX model's MatMulNBits weights the frontend could not keep packed, and why
+    nbits = next((g.metadata["onnx_nbits"] for g in graphs if g.metadata.get("onnx_nbits")), None) or {}
+    if not packed and not nbits:
+        return None
+    dense = dict(meta.get("dense", {})) | dict(nbits.get("dense", {}))
+    source = "gguf" if meta else "onnx" if nbits or any(q.format.name.startswith("nbits4_") for q in packed.values()) \
+        else "frontend"
     if gpu_targets:
         for g in graphs:
             for v in g.consts.values():
@@ -163,7 +168,7 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     formats: dict[str, int] = {}
     for q in packed.values():
         formats[q.format.name] = formats.get(q.format.name, 0) + 1
-    return {"source": "gguf" if meta else "frontend", "formats": formats, "packed": len(packed),
+    return {"source": source, "formats": formats, "packed": len(packed),
             "tensors": {name: q.format.name for name, q in packed.items()}, "dense": dense,
             "f32_bytes": sum(q.n * q.k * 4 for q in packed.values()),
             "packed_bytes": sum(q.nbytes for q in packed.values())}

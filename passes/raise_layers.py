@@ -479,6 +479,8 @@ def _rw_split_linear(m: Match, g: Graph) -> Pairs:
     out = []
     for v, (lo, hi) in m.fact("parts"):
         wv = g.add_const(f"{w.name}.rows{lo}_{hi}", w.data[lo:hi], unique=True)  # a view, no copy
+        if w.quant is not None:  # packed blocks lie along K: a row range is the same rows' blocks
+            wv.quant = w.quant.rows(slice(lo, hi))
         ins = [lin.inputs[0], wv]
         if bias is not None:
             ins.append(g.add_const(f"{bias.name}.rows{lo}_{hi}", bias.data[lo:hi], unique=True))

@@ -29,7 +29,7 @@ from zlc.reference.executor import ReferenceExecutor
 
 # A constant without inline data (`const %name: f32[256, 64]`): its data comes from the arenas.
 # A packed one (`const %name: f32[N, K] q4_0`) is a QuantizedWeight cut out of the Q arena.
-_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\](?:\s+(q\d_[0-9k]))?\s*$", re.M)
+_WEIGHT_LINE = re.compile(r"^\s*const\s+%(\S+?):\s*(\w+)\[([^\]]*)\](?:\s+(q\d_[0-9k]|nbits4_b\d+))?\s*$", re.M)
 
 
 def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> dict[str, Any]:

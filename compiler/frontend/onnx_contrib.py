@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from zlc.errors import IRError
 from zlc.ir import Value
+from zlc.ir.quant import QuantizedWeight, pack_nbits4
 from zlc.ir.types import DType
 
 from .onnx_context import OnnxContext as Cx
@@ -363,9 +365,13 @@ def dequantize_nbits(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray 
 
 @onnx_op("MatMulNBits", since=1, domain=MS)
 def _matmul_nbits(cx: Cx) -> Value:
-    """Y = A @ dequant(B)^T (+ bias). The 2/4/8-bit weight is dequantized to a float constant at
-    import (so the IR sees an ordinary MatMul and the fused kernels read a dense weight); this costs
-    memory (4 bytes per weight instead of bits/8) but keeps one code path for all weights."""
+    """Y = A @ dequant(B)^T (+ bias). A 4-bit weight stays packed (ir/quant.py nbits4_b<block>):
+    the node becomes a Linear whose [N, K] weight constant carries the blocks as `quant` and their
+    exact dequantization as data, (q - zero_point) * scale as ORT computes it. Where it cannot
+    (bits 2/8, f16 activations, float zero points, K not a multiple of the block), the weight is
+    dequantized to a dense constant at import and the graph's metadata["onnx_nbits"]["dense"] says
+    why (the compile report lists it). accuracy_level only selects ORT's own compute precision (4:
+    int8 activations); zlc computes in f32 either way, i.e. what accuracy_level 0 computes."""
     a = cx.req(0)
     bits, block = int(cx.attr("bits", 4)), int(cx.attr("block_size", 0))
     n, k = int(cx.attr("N", 0)), int(cx.attr("K", 0))
@@ -380,14 +386,40 @@ def _matmul_nbits(cx: Cx) -> Value:
     zp = cx.const(3) if cx.inp(3) is not None else None
     if b is None or scales is None or (cx.inp(3) is not None and zp is None):
         raise cx.unsupported("B, scales and zero_points must be constants (initializers)")
+    b_name = cx.req(1).name
+    packed, why = _packed_nbits4(cx, a, b, scales, zp, n=n, k=k, bits=bits, block=block)
+    if packed is not None:
+        weight = cx.g.add_const(f"{b_name}.nk", packed.dequantize(), unique=True)
+        weight.quant = packed
+        bias = cx.inp(5)
+        if bias is not None and bias.data is None:  # a Linear's bias is a constant vector
+            return cx.emit("Add", cx.emit("Linear", a, weight), bias)
+        return cx.emit("Linear", a, weight, *([bias] if bias is not None else []))
     try:
         w = dequantize_nbits(b, scales, zp, n=n, k=k, bits=bits, block=block)
     except ValueError as e:
         raise cx.unsupported(f"weight shapes do not fit N={n}, K={k}, bits={bits}, block_size={block}: {e}") \
             from None
+    cx.g.metadata.setdefault("onnx_nbits", {}).setdefault("dense", {})[b_name] = why
     wt = np.ascontiguousarray(w.T)  # [K, N]
     weight = cx.const_value(wt if a.dtype != DType.f16 else wt.astype(np.float16))
     if a.dtype not in (DType.f32, DType.f16):
         weight = cx.emit("Cast", weight, to=a.dtype.value)
     y = cx.emit("MatMul", a, weight)
     return y if cx.inp(5) is None else cx.emit("Add", y, cx.inp(5))
+
+
+def _packed_nbits4(cx: Cx, a: Value, b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, *,
+                   n: int, k: int, bits: int, block: int) -> tuple[QuantizedWeight | None, str]:
+    """The weight's nbits4 blocks, or None and why it is dequantized instead."""
+    if bits != 4:
+        return None, f"MatMulNBits bits={bits} (only 4-bit weights have a packed format)"
+    if a.dtype != DType.f32:
+        return None, f"MatMulNBits on {a.dtype.name} activations (packed weights are read by f32 Linears)"
+    bias = cx.inp(5)
+    if bias is not None and bias.dtype != DType.f32:
+        return None, f"MatMulNBits bias of type {bias.dtype.name}"
+    try:
+        return pack_nbits4(b, scales, zp, n=n, k=k, block=block), ""
+    except IRError as e:
+        return None, f"MatMulNBits {e}"

@@ -1,5 +1,5 @@
-"""Packed weight formats: GGUF's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), carried by a
-Linear's weight constant.
+"""Packed weight formats: GGUF's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and ONNX
+Runtime's MatMulNBits int4 blocks (nbits4_b16 ... nbits4_b1024), carried by a Linear's weight constant.
 
 A quantized weight is still an f32 [N, K] constant in the IR: its `data` is the exact dequantized
 matrix (what the reference executor and every f32 consumer read), and `Value.quant` holds the
@@ -23,6 +23,20 @@ Bytes per weight (the decode floor): q8_0 1.0625, q5_1 0.75, q5_0 0.6875, q6_k 0
 q4_1 0.625, q4_0 0.5625, q4_k 0.5625. The kernels read these bytes as they are (the native kernel
 only transposes each block group at session start, codegen/templates/megakernel.c.jinja "packed
 weights"): no repacking into a wider layout.
+
+MatMulNBits int4 (com.microsoft, bits=4, block_size B a power of two in 16..1024) is one format per
+B, `nbits4_b<B>` (codes 9..15: 9 + log2(B / 16)). Its blocks are zlc's own regrouping of ORT's
+three tensors, one record per (row, block) so that the kernels stream a row's bytes in one run:
+
+    nbits4_b<B>: 5 + B/2 bytes per B K-values: f32 scale s (little-endian; an f16 scale widened,
+                 exactly), u8 zero point z (0..15; 8 where the model has none), then the block's B/2
+                 bytes of B exactly as ORT packs them: element 2i in the low nibble of byte i, 2i+1
+                 in the high one;                                         w = (q - z) * s
+
+`(q - z) * s` in f32 is ORT's own order (its CPU kernel with accuracy_level 0/1, the f32 path,
+checked bit for bit on its output; q - z is an exact small integer, so one rounding): the
+dequantized matrix is exactly the weight ORT multiplies by. Bytes per weight: b16 0.8125, b32 0.656,
+b64 0.578, b128 0.539 (ORT's own: 0.5 + 4.5 / B with zero points).
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import numpy as np
 
 from zlc.errors import IRError
 
-BLOCK = 32  # K-values per (sub-)block of every format: the kernels' unit of activation sums
+BLOCK = 32  # K-values per (sub-)block of the GGUF formats: the kernels' unit of activation sums
 
 # Where a packed weight may be read: op -> its inputs that are [N, K] matrices the kernels stream
 # as a Linear's weights (codegen lowers each of them to a Linear task).
@@ -64,6 +78,10 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("q5_k", 7, 176, 256, False),
     WeightFormat("q6_k", 8, 210, 256, False),
 )}
+NBITS_BLOCKS = tuple(16 << i for i in range(7))  # MatMulNBits block sizes with a format: 16 .. 1024
+NBITS_HEAD = 5  # bytes before a nbits4 block's quants: f32 scale, u8 zero point
+FORMATS.update({f"nbits4_b{b}": WeightFormat(f"nbits4_b{b}", 9 + i, NBITS_HEAD + b // 2, b, False)
+                for i, b in enumerate(NBITS_BLOCKS)})
 
 
 def _ggml_type(name: str):  # the gguf package's enum member of a format
@@ -113,7 +131,10 @@ class QuantizedWeight:
                           f"expected uint8{list(want)} for [{self.n}, {self.k}]")
 
     def dequantize(self) -> np.ndarray:
-        """The f32 [n, k] matrix, by gguf's own dequantizer (the oracle of every kernel)."""
+        """The f32 [n, k] matrix, by gguf's own dequantizer (the oracle of every kernel); the
+        nbits4 formats by MatMulNBits' definition, (q - z) * s in f32."""
+        if self.format.name.startswith("nbits4_"):
+            return _dequantize_nbits4(self.blocks, self.n, self.k, self.format.block_k)
         from gguf import quants
 
         return np.ascontiguousarray(quants.dequantize(self.blocks, _ggml_type(self.format.name)), dtype=np.float32)
@@ -133,3 +154,57 @@ def quantize(w: np.ndarray, name: str) -> QuantizedWeight:
     q = QuantizedWeight(fmt, blocks, int(w.shape[0]), int(w.shape[1]))
     q.check(name)
     return q
+
+
+# ---- MatMulNBits int4 ------------------------------------------------------------------------------
+
+def nbits4_format(block: int) -> WeightFormat | None:
+    """The format of MatMulNBits int4 blocks of `block` K-values, None where there is none."""
+    return FORMATS.get(f"nbits4_b{block}")
+
+
+def pack_nbits4(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
+                n: int, k: int, block: int) -> QuantizedWeight:
+    """The nbits4_b<block> blocks of a MatMulNBits int4 weight from ORT's tensors: B uint8
+    [N, K/block, block/2], scales f32 or f16 [N * K/block], zero points uint8 [N, ceil(K/block / 2)]
+    (4-bit, packed like B along each row's blocks) or None (8). Raises IRError (a one-line reason)
+    where the weight has no such format (K not a multiple of the block, float zero points, shapes)."""
+    fmt = nbits4_format(block)
+    if fmt is None:
+        raise IRError(f"block_size={block} has no packed format (supported: {', '.join(map(str, NBITS_BLOCKS))})")
+    if k % block:
+        raise IRError(f"K={k} is not a multiple of block_size={block} (ORT pads the last block)")
+    kb = k // block
+    b = np.asarray(b)
+    if b.dtype != np.uint8 or b.size != n * kb * block // 2:
+        raise IRError(f"B is {b.dtype}{list(b.shape)}, expected uint8 [{n}, {kb}, {block // 2}]")
+    sc = np.asarray(scales)
+    if sc.dtype not in (np.float32, np.float16) or sc.size != n * kb:
+        raise IRError(f"scales are {sc.dtype}{list(sc.shape)}, expected f32/f16 [{n * kb}]")
+    if zero_points is None:
+        zp = np.full((n, kb), 8, np.uint8)
+    else:
+        zpa = np.asarray(zero_points)
+        if zpa.dtype != np.uint8:
+            raise IRError(f"zero points of type {zpa.dtype} (only uint8 packed 4-bit zero points are kept packed)")
+        if zpa.size != n * -(-kb // 2):
+            raise IRError(f"zero points are {list(zpa.shape)}, expected uint8 [{n}, {-(-kb // 2)}]")
+        zpa = zpa.reshape(n, -1)
+        zp = np.stack([zpa & 15, zpa >> 4], axis=-1).reshape(n, -1)[:, :kb]
+    out = np.empty((n, kb, fmt.block_bytes), np.uint8)
+    out[:, :, :4] = sc.astype(np.float32).reshape(n, kb, 1).view(np.uint8)  # f16 -> f32 is exact
+    out[:, :, 4] = zp
+    out[:, :, NBITS_HEAD:] = b.reshape(n, kb, block // 2)
+    q = QuantizedWeight(fmt, out.reshape(n, kb * fmt.block_bytes), n, k)
+    q.check("MatMulNBits")
+    return q
+
+
+def _dequantize_nbits4(blocks: np.ndarray, n: int, k: int, block: int) -> np.ndarray:
+    """(q - z) * s in f32, block by block: ORT's MatMulNBits weight (module docstring)."""
+    recs = blocks.reshape(n, k // block, NBITS_HEAD + block // 2)
+    s = np.ascontiguousarray(recs[:, :, :4]).view(np.float32)  # [n, kb, 1]
+    z = recs[:, :, 4:5].astype(np.float32)
+    packed = recs[:, :, NBITS_HEAD:]
+    q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k // block, block).astype(np.float32)
+    return np.ascontiguousarray(((q - z) * s).reshape(n, k), dtype=np.float32)

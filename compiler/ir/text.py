@@ -121,7 +121,7 @@ def parse_graph(text: str, weights: dict[str, Any] | None = None) -> Graph:
         if line.startswith("meta "):
             g.metadata = _parse_value_json(line[5:], lineno)
             continue
-        m = re.match(r"^(input|const|state)\s+%(\S+?):\s*(\w+\[[^\]]*\])(?:\s+(q\d_[0-9k]))?(?:\s*=\s*(.*))?$", line)
+        m = re.match(r"^(input|const|state)\s+%(\S+?):\s*(\w+\[[^\]]*\])(?:\s+(q\d_[0-9k]|nbits4_b\d+))?(?:\s*=\s*(.*))?$", line)
         if m:
             kind, name, ty = m.group(1), m.group(2), _parse_type(m.group(3), lineno)
             if kind == "input":
