@@ -15,10 +15,13 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   (Linear matrices and the LM head's copy in GGUF Q8_0 / Q4_0 / Q4_1 blocks, the embedding bf16);
 - zlc native gguf: `zlc compile SmolLM2-135M-Instruct.Q4_1.gguf --dtype bf16`, the file's own
   blocks (Q4_1 matrices, the tied head streaming the Q8_0 embedding's blocks, the embedding bf16);
+- zlc native nbits4: `zlc compile --dtype bf16` of onnxruntime-genai's `-p int4` build of the same
+  weights (its MatMulNBits int4 blocks of 32 kept packed as nbits4_b32, the embedding bf16);
 - transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
   eager attention, `torch.set_num_threads(N)`, a manual KV-cache loop (no `generate` overhead);
-- onnxruntime-genai fp32: its model builder run offline on the same weights (the dequantized
-  model saved as a Hugging Face folder), CPU provider, intra-op threads N;
+- onnxruntime-genai fp32 / int4: its model builder run offline on the same weights (the dequantized
+  model saved as a Hugging Face folder; `-p fp32` / `-p int4`: MatMulNBits, block 32, its CPU
+  default accuracy_level 4), CPU provider, intra-op threads N;
 - llama.cpp: llama-cpp-python (built from source, see docs/performance.md) on the GGUF itself
   (Q4_1: the file the other engines' weights were dequantized from), n_threads N.
 
@@ -52,11 +55,12 @@ from pathlib import Path
 from typing import Any
 
 NEW_TOKENS = 64
-ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "transformers", "ort-genai",
-           "llama.cpp")
+ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-nbits4", "transformers",
+           "ort-genai", "ort-genai-int4", "llama.cpp")
 # zlc engine -> (weight dtype, --quantize)
 ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
-       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf")}
+       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf"),
+       "zlc-nbits4": ("bf16", "nbits4")}
 
 
 # ---- machine bandwidth -----------------------------------------------------------------------------
@@ -130,6 +134,9 @@ def _bundle(workdir: Path, dtype: str, quantize: str | None = None) -> Path:
     if quantize == "gguf" and not (out / "manifest.json").is_file():  # the file itself: its blocks
         zlc.compile(zoo.smollm2_gguf_path(), targets=["cpu"], dtype=dtype, max_seq=512, out=out, verify=False,
                     name="smollm2")
+    elif quantize == "nbits4" and not (out / "manifest.json").is_file():  # genai's MatMulNBits blocks
+        zlc.compile(_genai_model(workdir, "int4") / "model.onnx", targets=["cpu"], dtype=dtype, max_seq=512,
+                    tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2")
     elif not (out / "manifest.json").is_file():
         zlc.compile(zoo.cached_smollm2(), targets=["cpu"], dtype=dtype, max_seq=512,
                     tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2", quantize=quantize)
@@ -187,10 +194,10 @@ def setup_transformers(workdir: Path, ids: list[int], threads: int) -> Engine:
 
 _GENAI_BUILD = r"""
 import sys
-hf_dir, out_dir, cache_dir = sys.argv[1:4]
+hf_dir, out_dir, cache_dir, precision = sys.argv[1:5]
 import onnxruntime_genai.models.builder as B
-extra = B.parse_extra_options(None, hf_dir, out_dir, "fp32", "cpu", cache_dir, [])
-B.create_model(None, hf_dir, out_dir, "fp32", "cpu", cache_dir, **extra)
+extra = B.parse_extra_options(None, hf_dir, out_dir, precision, "cpu", cache_dir, [])
+B.create_model(None, hf_dir, out_dir, precision, "cpu", cache_dir, **extra)
 """
 
 
@@ -210,8 +217,8 @@ def _save_plain(model: Any, out: Path) -> None:
     plain.save_pretrained(out)
 
 
-def _genai_model(workdir: Path) -> Path:
-    out = workdir / "genai-fp32"
+def _genai_model(workdir: Path, precision: str = "fp32") -> Path:
+    out = workdir / f"genai-{precision}"
     if (out / "genai_config.json").is_file():
         return out
     from zlc.testing.smollm2 import load_smollm2
@@ -224,17 +231,17 @@ def _genai_model(workdir: Path) -> Path:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         # absolute: the builder runs in the temporary directory, where a relative --workdir (the
         # default) would put the model, deleted with it
-        subprocess.run([sys.executable, "-c", _GENAI_BUILD, str(hf), str(out.resolve()), str(Path(d) / "cache")],
-                       env=env, check=True, capture_output=True, cwd=d)
+        subprocess.run([sys.executable, "-c", _GENAI_BUILD, str(hf), str(out.resolve()), str(Path(d) / "cache"),
+                        precision], env=env, check=True, capture_output=True, cwd=d)
     if not (out / "genai_config.json").is_file():
         raise RuntimeError(f"onnxruntime-genai's builder left no genai_config.json in {out}")
     return out
 
 
-def setup_genai(workdir: Path, ids: list[int], threads: int) -> Engine:
+def setup_genai(workdir: Path, ids: list[int], threads: int, precision: str = "fp32") -> Engine:
     import onnxruntime_genai as og
 
-    path = _genai_model(workdir)
+    path = _genai_model(workdir, precision)
     cfg_path = path / "genai_config.json"
     cfg = json.loads(cfg_path.read_text())
     so = cfg["model"]["decoder"].setdefault("session_options", {})
@@ -256,7 +263,9 @@ def setup_genai(workdir: Path, ids: list[int], threads: int) -> Engine:
         state["g"].append_tokens(ids)  # the prompt's forward pass
         return nxt()  # its greedy token
 
-    return prefill, lambda tok: nxt(), {}  # the generator feeds its own last token back
+    # the generator feeds its own last token back; int4 reads its own bytes (the f32 build: zlc f32's)
+    info = {"weight_bytes": sum(f.stat().st_size for f in path.glob("model.onnx*"))} if precision != "fp32" else {}
+    return prefill, lambda tok: nxt(), info
 
 
 def setup_llama_cpp(workdir: Path, ids: list[int], threads: int) -> Engine:
@@ -281,6 +290,8 @@ def setup(engine: str, workdir: Path, threads: int) -> Engine:
     ids = prompt_ids(workdir)
     if engine in ZLC:
         return setup_zlc(workdir, engine, ids, threads)
+    if engine == "ort-genai-int4":
+        return setup_genai(workdir, ids, threads, "int4")
     return {"transformers": setup_transformers, "ort-genai": setup_genai,
             "llama.cpp": setup_llama_cpp}[engine](workdir, ids, threads)
 
@@ -302,7 +313,8 @@ def child(engine: str, workdir: Path, threads: int) -> None:
                           "tokens": seq[:16]}), flush=True)
 
 
-_NEEDS = {"transformers": "transformers", "ort-genai": "onnxruntime_genai", "llama.cpp": "llama_cpp"}
+_NEEDS = {"transformers": "transformers", "ort-genai": "onnxruntime_genai", "ort-genai-int4": "onnxruntime_genai",
+          "zlc-nbits4": "onnxruntime_genai", "llama.cpp": "llama_cpp"}
 
 
 class Child:
@@ -403,8 +415,8 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     kv = int(z.get("kv_bytes_per_token") or f32.get("kv_bytes_per_token") or 0) * 70  # ~70 positions
     bwn = bw.get(f"threads_{threads}") or 0.0
     wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
-           "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)",
-           "transformers": "f32", "ort-genai": "f32", "llama.cpp": "Q4_1"}
+           "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)", "zlc-nbits4": "genai's int4 (nbits4_b32)",
+           "transformers": "f32", "ort-genai": "f32", "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1"}
     zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
     rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
@@ -444,8 +456,10 @@ def main() -> None:
     if a.engine:
         child(a.engine, a.workdir, a.threads)
         return
+    import importlib.util
+
     for name in a.engines.split(","):
-        if name in ZLC:
+        if name in ZLC and (name not in _NEEDS or importlib.util.find_spec(_NEEDS[name]) is not None):
             _bundle(a.workdir, *ZLC[name])  # compiled before anything is timed
     bw = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
     print(f"read bandwidth: {bw}", file=sys.stderr)
