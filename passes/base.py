@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from zlc.ir import Dim, Graph, Node, TensorType, Value, verify_graph
 from zlc.ir.verify import compatible_types
@@ -126,3 +128,14 @@ def drop_consts(graph: Graph, candidates: Iterable[Value]) -> int:
             del graph.consts[v.name]
             graph.release_name(v.name)
     return len(cand)
+
+
+def weight_rows(graph: Graph, name: str, w: Value, rows: Any) -> Value:
+    """A new constant `name` (made unique) of rows `rows` (a slice or an index array) of the
+    [N, K] matrix `w`, keeping its packed blocks where it has them: blocks lie along K, so the
+    same rows of the blocks are exactly the rows' blocks (a fused QKV or gate/up split)."""
+    data = w.data[rows] if isinstance(rows, slice) else np.asarray(w.data)[rows]  # a slice: a view, no copy
+    v = graph.add_const(name, data, unique=True)
+    if w.quant is not None:
+        v.quant = w.quant.rows(rows)
+    return v

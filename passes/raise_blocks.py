@@ -31,6 +31,7 @@ from zlc.reference.evaluate import evaluate as run_nodes
 from zlc.reference.kernels import const_tensor
 
 from . import probe
+from .base import weight_rows
 from .raise_attention import unrepeat_kv
 from .raising import new_node
 from .rewrite import Match, P, Rule
@@ -98,7 +99,7 @@ def _rw_heads_qkv(m: Match, g: Graph) -> Pairs:
     regroup = m.fact("regroup") if m.node("heads").op == "Reshape" else None
     for i, (v, size) in enumerate(zip(m.root.outputs, sizes, strict=True)):
         rows = np.concatenate([np.arange(j * width + lo, j * width + lo + size) for j in range(h)])
-        ins = [lin.inputs[0], g.add_const(f"{w.name}.heads{lo}_{lo + size}", np.asarray(w.data)[rows], unique=True)]
+        ins = [lin.inputs[0], weight_rows(g, f"{w.name}.heads{lo}_{lo + size}", w, rows)]
         if bias is not None:
             ins.append(g.add_const(f"{bias.name}.heads{lo}_{lo + size}", np.asarray(bias.data)[rows], unique=True))
         part = new_node(g, "Linear", ins, "linear")
@@ -291,7 +292,7 @@ def _rw_heads_gather(m: Match, g: Graph) -> Pairs:
     w, bias = lin.inputs[1], lin.input(2)
     rows = cols.reshape(-1).numpy()
     tag = f"rows{int(rows[0])}_{len(rows)}"
-    ins = [lin.inputs[0], g.add_const(f"{w.name}.{tag}", np.asarray(w.data)[rows], unique=True)]
+    ins = [lin.inputs[0], weight_rows(g, f"{w.name}.{tag}", w, rows)]
     if bias is not None:
         ins.append(g.add_const(f"{bias.name}.{tag}", np.asarray(bias.data)[rows], unique=True))
     hkv = int(cols.shape[0])

@@ -10,6 +10,7 @@ import torch
 from zlc.ir import Graph, Node, Value
 
 from . import probe
+from .base import weight_rows
 from .match import ELEMENTWISE, const2d, elementwise_activation, last_axis, other, prod, slice_bounds, strip
 from .pattern import OpPattern
 from .raise_attention import positions_value
@@ -429,8 +430,7 @@ def _rw_gated_fused(m: Match, g: Graph) -> Pairs:
     w = lin.inputs[1]
     assert w is not None and w.shape is not None
     f = int(w.shape[0]) // 2
-    wg = g.add_const(w.name + ".gate", w.data[:f], unique=True)  # views: no copy
-    wu = g.add_const(w.name + ".up", w.data[f:], unique=True)
+    wg, wu = weight_rows(g, w.name + ".gate", w, slice(0, f)), weight_rows(g, w.name + ".up", w, slice(f, None))
     out = new_node(g, "GatedMLP", [lin.inputs[0], wg, wu, m["wd"]], "gated_mlp", activation=m.fact("act"))
     return [(m.root.output, out)]
 
@@ -478,9 +478,7 @@ def _rw_split_linear(m: Match, g: Graph) -> Pairs:
     assert w is not None
     out = []
     for v, (lo, hi) in m.fact("parts"):
-        wv = g.add_const(f"{w.name}.rows{lo}_{hi}", w.data[lo:hi], unique=True)  # a view, no copy
-        if w.quant is not None:  # packed blocks lie along K: a row range is the same rows' blocks
-            wv.quant = w.quant.rows(slice(lo, hi))
+        wv = weight_rows(g, f"{w.name}.rows{lo}_{hi}", w, slice(lo, hi))
         ins = [lin.inputs[0], wv]
         if bias is not None:
             ins.append(g.add_const(f"{bias.name}.rows{lo}_{hi}", bias.data[lo:hi], unique=True))
