@@ -1,6 +1,6 @@
 """Converters for ONNX Runtime's com.microsoft contrib ops, as onnxruntime-genai and ORT's transformer
 optimizer emit them (GroupQueryAttention, RotaryEmbedding, (Skip)SimplifiedLayerNormalization,
-SkipLayerNormalization, MultiHeadAttention, MatMulNBits, the Gelu family).
+SkipLayerNormalization, MultiHeadAttention, MatMulNBits, GatherBlockQuantized, the Gelu family).
 
 Each lowers to the same IR as the standard ops: RoPE, Attention (GQA by head counts, bottom-right
 causal), RMSNorm/LayerNorm, MatMul. Features that only make sense inside ORT's own kernels (shared
@@ -423,3 +423,47 @@ def _packed_nbits4(cx: Cx, a: Value, b: np.ndarray, scales: np.ndarray, zp: np.n
         return pack_nbits4(b, scales, zp, n=n, k=k, block=block), ""
     except IRError as e:
         return None, f"MatMulNBits {e}"
+
+
+# ---- GatherBlockQuantized --------------------------------------------------------------------------
+
+def _const_through_reshape(cx: Cx, i: int) -> np.ndarray | None:
+    """Input i's constant data, also where it is a Reshape of a constant to a static shape (genai's
+    tied int4 embedding reads the LM head's blocks [V, H/B, B/2] reshaped to [V, H/2])."""
+    c = cx.const(i)
+    v = cx.inp(i)
+    if c is not None or v is None or v.producer is None or v.producer.op != "Reshape":
+        return c
+    src = v.producer.inputs[0]
+    shape = v.shape
+    if src is None or src.data is None or shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return np.asarray(src.const_array()).reshape([int(d) for d in shape])  # type: ignore[arg-type]
+
+
+@onnx_op("GatherBlockQuantized", since=1, domain=MS)
+def _gather_block_quantized(cx: Cx) -> Value:
+    """Rows of a 4-bit block-quantized table (onnxruntime-genai's tied int4 embedding, which reads
+    the LM head's MatMulNBits blocks): the table is dequantized at import, (q - zero_point) * scale
+    (zero point 8 when absent, as for uint4), and gathered like Gather; the LM head itself keeps its
+    blocks (MatMulNBits). A decode step reads one row of the table, so it stays dense."""
+    bits, block = int(cx.attr("bits", 4)), int(cx.attr("block_size", 128))
+    gather_axis, quantize_axis = int(cx.attr("gather_axis", 0)), int(cx.attr("quantize_axis", 1))
+    data, scales = _const_through_reshape(cx, 0), cx.const(2)
+    zp = cx.const(3) if cx.inp(3) is not None else None
+    if data is None or scales is None or (cx.inp(3) is not None and zp is None):
+        raise cx.unsupported("data, scales and zero_points must be constants (initializers)")
+    if bits != 4 or data.dtype != np.uint8 or data.ndim != 2:
+        raise cx.unsupported(f"only uint8 data packing 4-bit values [rows, cols/2] is supported, got bits={bits}, "
+                             f"{data.dtype}{list(data.shape)}")
+    if gather_axis != 0 or quantize_axis not in (1, -1) or block < 16 or block & (block - 1):
+        raise cx.unsupported(f"gather_axis={gather_axis}, quantize_axis={quantize_axis}, block_size={block} "
+                             f"(supported: rows gathered, blocks along the last axis, a power of two >= 16)")
+    if zp is not None and zp.dtype != np.uint8:
+        raise cx.unsupported(f"zero points of type {zp.dtype} (supported: uint8 packed 4-bit)")
+    n, k = int(data.shape[0]), int(data.shape[1]) * 2
+    try:
+        table = dequantize_nbits(data, scales, zp, n=n, k=k, bits=4, block=block)
+    except ValueError as e:
+        raise cx.unsupported(f"shapes do not fit block_size={block}: {e}") from None
+    return cx.emit("Gather", cx.const_value(table.astype(scales.dtype)), cx.req(1), axis=0)

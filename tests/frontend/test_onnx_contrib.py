@@ -328,3 +328,23 @@ def test_matmul_nbits_bias() -> None:
     nd = node("MatMulNBits", ["a", "B", "scales", "", "", "bias"], ["y"], K=k, N=n, bits=4, block_size=block)
     feeds = dict(a=randn(3, k))
     assert_matches_ort(make_model([nd], feeds, ["y"], initializers=q), feeds, rtol=1e-4, atol=1e-4)
+
+
+# ---- GatherBlockQuantized -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block,with_zp", [(16, True), (32, False)])
+def test_gather_block_quantized(block: int, with_zp: bool) -> None:
+    """onnxruntime-genai's tied int4 embedding: rows of the LM head's blocks [V, H/B, B/2] read
+    through a Reshape to [V, H/2]; dequantized at import (exactly ORT's values: rtol/atol 0)."""
+    v, h = 10, 64
+    q = _quantize(randn(v, h), 4, block, with_zp)
+    inits = {"B": q["B"], "shape": np.array([v, h // 2], np.int64), "scales": q["scales"].reshape(v, -1)}
+    ins = ["flat", "ids", "scales"]
+    if with_zp:
+        inits["zp"] = q["zp"]
+        ins.append("zp")
+    nodes = [helper.make_node("Reshape", ["B", "shape"], ["flat"]),
+             node("GatherBlockQuantized", ins, ["y"], bits=4, block_size=block, gather_axis=0, quantize_axis=1)]
+    feeds = dict(ids=np.array([[3, 0, 9, 3]], np.int64))
+    g = assert_matches_ort(make_model(nodes, feeds, ["y"], initializers=inits), feeds, rtol=0, atol=0)
+    assert "Gather" in g.op_histogram()
