@@ -1,6 +1,6 @@
 """Real exporter output through the ONNX frontend, against ONNX Runtime: onnxruntime-genai graphs
 (GroupQueryAttention, RotaryEmbedding, MultiHeadAttention, (Skip)SimplifiedLayerNormalization,
-MatMulNBits) in prefill and decode, and a dynamo opset-23 export (Attention, RotaryEmbedding,
+MatMulNBits, GatherBlockQuantized) in prefill and decode, and a dynamo opset-23 export (Attention, RotaryEmbedding,
 RMSNormalization). The graphs come from the model zoo's cache (exported on first use)."""
 
 from __future__ import annotations
@@ -72,18 +72,22 @@ def test_genai_graphs(kind: str, family: str) -> None:
     _compare(onnx.load(str(path)), path, family, steps=[6, 1, 1])
 
 
-def test_genai_int4_graph() -> None:
-    """MatMulNBits is dequantized exactly; ORT's accuracy_level=4 would also quantize activations
-    to int8, so ORT runs the same graph at accuracy_level 0 for the comparison."""
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_genai_int4_graph(family: str) -> None:
+    """MatMulNBits is dequantized exactly (kept packed, its data the exact dequantization); ORT's
+    accuracy_level=4 would also quantize activations to int8, so ORT runs the same graph at
+    accuracy_level 0 for the comparison. Gemma ties its embedding: GatherBlockQuantized reads the
+    LM head's int4 blocks."""
     if not zoo.genai_available():
         pytest.skip("pip install onnxruntime-genai")
-    path = zoo.cached("genai_int4", "llama")
+    path = zoo.cached("genai_int4", family)
     model = onnx.load(str(path))
+    assert ("GatherBlockQuantized" in {n.op_type for n in model.graph.node}) == (family == "gemma")
     for node in model.graph.node:
         for a in node.attribute:
             if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
                 a.i = 0
-    _compare(model, path, "llama", steps=[6, 1])
+    _compare(model, path, family, steps=[6, 1])
 
 
 def test_dynamo_opset23_export() -> None:

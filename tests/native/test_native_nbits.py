@@ -1,8 +1,8 @@
 """ONNX Runtime's MatMulNBits int4 weights kept 4-bit from the ONNX file to the native kernel
 (ir/quant.py nbits4_b<B>). Models: the zoo's tiny Llama export quantized by onnxruntime's own
 MatMulNBitsQuantizer (block 16 with zero points, block 32 symmetric, block 128: too wide for its
-K=64 matrices, so those stay dense and the report says why), and onnxruntime-genai's int4 build of
-the tiny Llama (fused QKV, block 32). Oracles: the reference executor on the bundle's blocks (max
+K=64 matrices, so those stay dense and the report says why), and onnxruntime-genai's int4 builds of
+the tiny Llama (fused QKV, block 32) and Gemma (tied: GatherBlockQuantized embedding). Oracles: the reference executor on the bundle's blocks (max
 abs 1e-4, equal greedy tokens, every ISA level of this host), ONNX Runtime on the quantized model
 itself, and ORT's own dequantization (its f32 kernel on an identity matrix) bit for bit against
 zlc's blocks, numpy's (q - z) * s and the kernel's exported zlc_native_dequantize."""
@@ -172,14 +172,17 @@ def test_dequantization_is_orts_bit_for_bit(models: dict[str, Any], block: int, 
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (level, block)
 
 
-def test_genai_int4_build_stays_packed(tmp_path: Path) -> None:
-    """onnxruntime-genai's `-p int4` build of the tiny Llama (MatMulNBits block 32, fused QKV
-    split into row ranges of its blocks): every matrix streams packed and matches the reference."""
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_genai_int4_build_stays_packed(tmp_path: Path, family: str) -> None:
+    """onnxruntime-genai's `-p int4` build of a tiny model (MatMulNBits block 32, fused QKV split
+    into row ranges of its blocks; Gemma's tied embedding a GatherBlockQuantized of the LM head's
+    blocks, dequantized, while the head streams them): every matrix streams packed and matches
+    the reference."""
     from zlc.testing import zoo
 
     if not zoo.genai_available():
         pytest.skip("pip install onnxruntime-genai")
-    path = zoo.cached("genai_int4", "llama")
+    path = zoo.cached("genai_int4", family)
     # verify=False: the build asks ORT for accuracy_level 4 (int8 activations), which is not what
     # the graph's weights define; tests/frontend/test_onnx_zoo.py compares it at level 0
     res = zlc.compile(path, targets=["cpu"], out=tmp_path / "genai-int4.zlc", max_seq=64, verify=False)
