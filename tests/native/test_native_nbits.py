@@ -1,11 +1,12 @@
 """ONNX Runtime's MatMulNBits int4 weights kept 4-bit from the ONNX file to the native kernel
 (ir/quant.py nbits4_b<B>). Models: the zoo's tiny Llama export quantized by onnxruntime's own
 MatMulNBitsQuantizer (block 16 with zero points, block 32 symmetric, block 128: too wide for its
-K=64 matrices, so those stay dense and the report says why), and onnxruntime-genai's int4 builds of
-the tiny Llama (fused QKV, block 32) and Gemma (tied: GatherBlockQuantized embedding). Oracles: the reference executor on the bundle's blocks (max
-abs 1e-4, equal greedy tokens, every ISA level of this host), ONNX Runtime on the quantized model
-itself, and ORT's own dequantization (its f32 kernel on an identity matrix) bit for bit against
-zlc's blocks, numpy's (q - z) * s and the kernel's exported zlc_native_dequantize."""
+K=64 matrices, so those stay dense and the report says why), and onnxruntime-genai's int4 builds
+of the tiny Llama (fused QKV, block 32) and Gemma (tied: GatherBlockQuantized embedding).
+Oracles: the reference executor on the bundle's blocks (max abs 1e-4, equal greedy tokens, every
+ISA level of this host), ONNX Runtime on the quantized model itself, and ORT's own
+dequantization (its f32 kernel on an identity matrix) bit for bit against zlc's blocks, numpy's
+(q - z) * s and the kernel's exported zlc_native_dequantize."""
 
 from __future__ import annotations
 
