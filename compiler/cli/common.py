@@ -237,8 +237,8 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
                   f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense")
         from ..passes.quantize import describe_packed
 
-        for line in describe_packed(q)[1:]:  # which are dense and why
-            out.print(f"  {escape(line)}")
+        for dense in describe_packed(q)[1:]:  # which are dense and why
+            out.print(f"  {escape(dense)}")
     elif q:
         out.print(f"quantized: {q['format']}, {q['packed']} Linear weights packed ({q['f32_bytes'] / 1e6:.1f} MB f32 -> "
                   f"{q['packed_bytes'] / 1e6:.1f} MB), {len(q['dense'])} dense; vs unquantized on "
