@@ -30,8 +30,9 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89]
-#: ORT's f32 MatMul over the dequantized weight against zlc's f32 Linear: summation order only
-ORT_ATOL = 2e-4
+#: ORT's f32 MatMulNBits (accuracy_level 0) against zlc's f32 Linear on the same exact weight:
+#: summation order only (~3e-6 measured on these logits of magnitude ~3.6)
+ORT_ATOL = 1e-4
 
 
 def _levels(man: dict[str, Any]) -> list[str]:
