@@ -151,13 +151,15 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
             if v.quant is not None:
                 packed.setdefault(v.name, v.quant)
     meta = next((g.metadata.get("gguf") for g in graphs if g.metadata.get("gguf")), None) or {}
-    # an ONNX model's MatMulNBits weights the frontend could not keep packed, and why
-    nbits = next((g.metadata["onnx_nbits"] for g in graphs if g.metadata.get("onnx_nbits")), None) or {}
-    if not packed and not nbits:
+    # matrices a frontend or pass left dense and why (an ONNX model's MatMulNBits weights it could
+    # not keep packed, a gated pair stored in two formats: raise_layers.one_format)
+    left: dict[str, str] = {}
+    for g in graphs:
+        left.update(g.metadata.get("packed_dense", {}))
+    if not packed and not left:
         return None
-    dense = dict(meta.get("dense", {})) | dict(nbits.get("dense", {}))
-    source = "gguf" if meta else "onnx" if nbits or any(q.format.name.startswith("nbits4_") for q in packed.values()) \
-        else "frontend"
+    dense = dict(meta.get("dense", {})) | left
+    source = "gguf" if meta else "onnx" if any("onnx_opset" in g.metadata for g in graphs) else "frontend"
     if gpu_targets:
         for g in graphs:
             for v in g.consts.values():

@@ -316,6 +316,21 @@ def linear_sources(v: Value, limit: int = 24) -> list[Node]:
     return out
 
 
+def one_format(g: Graph, wg: Value, wu: Value) -> tuple[Value, Value]:
+    """A gated pair's matrices stream under one descriptor format word: where gate and up are
+    stored differently (two packed formats, or one dense: an ONNX model's MatMulNBits with per-node
+    block sizes), both are read dense (their data is already the exact dequantization) and the
+    graph's metadata["packed_dense"] says why (the compile report lists it)."""
+    fg, fu = (None if w.quant is None else w.quant.format.name for w in (wg, wu))
+    if fg != fu:
+        why = f"a gated pair's gate is {fg or 'dense'} and its up {fu or 'dense'} (one format word holds both)"
+        for w in (wg, wu):
+            if w.quant is not None:
+                w.quant = None
+                g.metadata.setdefault("packed_dense", {})[w.name] = why
+    return wg, wu
+
+
 def _check_gated(m: Match) -> str | None:
     """The gate: another bias-free Linear of the same x whose output the activation chain reads."""
     up, x, gate = m.node("up"), m["x"], m["gate"]
@@ -337,8 +352,8 @@ GATED_MLP = Rule(
                         single_use=True, why=_NOT_PRODUCT),
          P.var("wd"), why=_BIAS),
     _check_gated,
-    lambda m, g: [(m.root.output, new_node(g, "GatedMLP", [m["x"], m["wg"], m["wu"], m["wd"]], "gated_mlp",
-                                           activation=m.fact("act")))],
+    lambda m, g: [(m.root.output, new_node(g, "GatedMLP", [m["x"], *one_format(g, m["wg"], m["wu"]), m["wd"]],
+                                           "gated_mlp", activation=m.fact("act")))],
     why="no gate/up Linear pair feeding an activation product",
     doc="down(act(gate(x)) * up(x)) -> GatedMLP (SwiGLU, GeGLU)")
 

@@ -369,7 +369,7 @@ def _matmul_nbits(cx: Cx) -> Value:
     the node becomes a Linear whose [N, K] weight constant carries the blocks as `quant` and their
     exact dequantization as data, (q - zero_point) * scale as ORT computes it. Where it cannot
     (bits 2/8, f16 activations, float zero points, K not a multiple of the block), the weight is
-    dequantized to a dense constant at import and the graph's metadata["onnx_nbits"]["dense"] says
+    dequantized to a dense constant at import and the graph's metadata["packed_dense"] says
     why (the compile report lists it). accuracy_level only selects ORT's own compute precision (4:
     int8 activations); zlc computes in f32 either way, i.e. what accuracy_level 0 computes."""
     a = cx.req(0)
@@ -400,7 +400,7 @@ def _matmul_nbits(cx: Cx) -> Value:
     except ValueError as e:
         raise cx.unsupported(f"weight shapes do not fit N={n}, K={k}, bits={bits}, block_size={block}: {e}") \
             from None
-    cx.g.metadata.setdefault("onnx_nbits", {}).setdefault("dense", {})[b_name] = why
+    cx.g.metadata.setdefault("packed_dense", {})[b_name] = why
     wt = np.ascontiguousarray(w.T)  # [K, N]
     weight = cx.const_value(wt if a.dtype != DType.f16 else wt.astype(np.float16))
     if a.dtype not in (DType.f32, DType.f16):

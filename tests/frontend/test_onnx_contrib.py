@@ -301,7 +301,7 @@ def test_matmul_nbits(bits: int, with_zp: bool) -> None:
     assert g.op_histogram() == {"MatMul": 1}
     # dequantized at import, and the graph says why (the compile report lists it)
     why = f"bits={bits}" if bits != 4 else "K=40 is not a multiple of block_size=16"
-    assert why in g.metadata["onnx_nbits"]["dense"]["B"]
+    assert why in g.metadata["packed_dense"]["B"]
 
 
 @pytest.mark.parametrize("block,with_zp", [(16, True), (32, False)])
@@ -314,7 +314,7 @@ def test_matmul_nbits_int4_stays_packed(block: int, with_zp: bool) -> None:
     nd = node("MatMulNBits", ins, ["y"], K=k, N=n, bits=4, block_size=block)
     feeds = dict(a=randn(2, 3, k))
     g = assert_matches_ort(make_model([nd], feeds, ["y"], initializers=q), feeds, rtol=1e-4, atol=1e-4)
-    assert g.op_histogram() == {"Linear": 1} and "onnx_nbits" not in g.metadata
+    assert g.op_histogram() == {"Linear": 1} and "packed_dense" not in g.metadata
     w = g.nodes[0].inputs[1]
     assert w is not None and w.quant is not None and w.quant.format.name == f"nbits4_b{block}"
     want = dequantize_nbits(q["B"], q["scales"], q.get("zp"), n=n, k=k, bits=4, block=block)

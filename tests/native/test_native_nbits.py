@@ -1,7 +1,8 @@
 """ONNX Runtime's MatMulNBits int4 weights kept 4-bit from the ONNX file to the native kernel
 (ir/quant.py nbits4_b<B>). Models: the zoo's tiny Llama export quantized by onnxruntime's own
-MatMulNBitsQuantizer (block 16 with zero points, block 32 symmetric, block 128: too wide for its
-K=64 matrices, so those stay dense and the report says why), and onnxruntime-genai's int4 builds
+MatMulNBitsQuantizer, node by node in blocks of 16 (with zero points), 32 (symmetric) and 128
+(too wide for K=64: dense, and the report says why; so is a gated pair in two formats: one
+kernel streams all three formats), and onnxruntime-genai's int4 builds
 of the tiny Llama (fused QKV, block 32) and Gemma (tied: GatherBlockQuantized embedding).
 Oracles: the reference executor on the bundle's blocks (max abs 1e-4, equal greedy tokens, every
 ISA level of this host), ONNX Runtime on the quantized model itself, and ORT's own
@@ -42,40 +43,54 @@ def _levels(man: dict[str, Any]) -> list[str]:
     return levels
 
 
-def _quantized(src: Path, out: Path, block: int, symmetric: bool) -> Path:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+def _linears(*index: int) -> list[str]:
+    """The tiny Llama export's MatMul nodes by index (per layer q, k, v, o, gate, up, down; 14: LM head)."""
+    return ["node_linear" if i == 0 else f"node_linear_{i}" for i in index]
 
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), block_size=block, is_symmetric=symmetric)
-    q.process()
-    q.model.save_model_to_file(str(out))
-    return out
+
+#: (block, symmetric, MatMul nodes): layer 0 in blocks of 16 with zero points, layer 1's attention
+#: in blocks of 32 without, its gate 16 and up 32 (a gated pair in two formats: both dense), its
+#: down projection (K=128) in blocks of 128, the LM head too (K=64: ORT pads it, so it stays dense)
+PLAN = [(16, False, _linears(*range(7), 11)), (32, True, _linears(7, 8, 9, 10, 12)), (128, False, _linears(13, 14))]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Any]]:
-    """block tag -> (quantized .onnx, bundle, compile result), compiled for the CPU with ORT's
-    verification of the lowered graph (zlc.compile's default)."""
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """(the tiny Llama quantized by ORT's MatMulNBitsQuantizer per PLAN, its bundle, the compile
+    result), compiled for the CPU with ORT's verification of the lowered graph (zlc.compile's default)."""
     pytest.importorskip("transformers", reason="the zoo's exports need the 'hf' extra")
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
     from zlc.testing import zoo
 
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     tmp = tmp_path_factory.mktemp("nbits")
-    src = zoo.cached("stateless", "llama", 20)
-    out = {}
-    for tag, block, sym in (("b16", 16, False), ("b32", 32, True), ("b128", 128, False)):
-        path = _quantized(src, tmp / f"llama-int4-{tag}.onnx", block, sym)
-        res = zlc.compile(path, targets=["cpu"], out=tmp / f"llama-{tag}.zlc", max_seq=64)
-        out[tag] = (path, tmp / f"llama-{tag}.zlc", res)
-    return out
+    model = onnx.load(str(zoo.cached("stateless", "llama", 20)))
+    for block, symmetric, nodes in PLAN:  # each pass quantizes its nodes, leaving the others as they are
+        q = MatMulNBitsQuantizer(model, block_size=block, is_symmetric=symmetric,
+                                 nodes_to_exclude=[n for n in _linears(*range(15)) if n not in nodes])
+        q.process()
+        model = q.model.model
+    path = tmp / "llama-int4-mixed.onnx"
+    onnx.save(model, str(path))
+    res = zlc.compile(path, targets=["cpu"], out=tmp / "llama-int4-mixed.zlc", max_seq=64)
+    return path, tmp / "llama-int4-mixed.zlc", res
 
 
-@pytest.mark.parametrize("tag", ["b16", "b32"])
-def test_quantizer_models_stay_packed_and_match_the_reference_and_ort(models: dict[str, Any], tag: str) -> None:
-    path, bundle, res = models[tag]
-    q = res.manifest["quantization"]
-    assert q["source"] == "onnx" and q["formats"] == {f"nbits4_{tag}": 15} and q["dense"] == {}, q
-    assert res.manifest["weights"]["Q"]["formats"] == [f"nbits4_{tag}"]
+def test_the_quantizers_blocks_stay_packed_and_the_report_says_which_not(mixed: tuple[Path, Path, Any]) -> None:
+    q = mixed[2].manifest["quantization"]
+    assert q["source"] == "onnx" and q["formats"] == {"nbits4_b16": 7, "nbits4_b32": 4, "nbits4_b128": 1}, q
+    assert sorted(mixed[2].manifest["weights"]["Q"]["formats"]) == ["nbits4_b128", "nbits4_b16", "nbits4_b32"]
     assert q["packed_bytes"] < q["f32_bytes"] / 4
+    pair = "a gated pair's gate is nbits4_b16 and its up nbits4_b32 (one format word holds both)"
+    assert q["dense"] == {"val_376_Q4.nk": pair, "val_378_Q4.nk": pair, "val_394_Q4":
+                          "MatMulNBits K=64 is not a multiple of block_size=128 (ORT pads the last block)"}, q["dense"]
+    lines = describe_packed(q)  # the compile report's quantize lines
+    assert lines[0].startswith("12 matrices kept") and len(lines) == 3, lines
+
+
+def test_native_matches_the_reference_and_ort(mixed: tuple[Path, Path, Any]) -> None:
+    path, bundle, _ = mixed
     b = Built(bundle, None)
     ref = zlc.load(bundle).session("reference")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -92,25 +107,12 @@ def test_quantizer_models_stay_packed_and_match_the_reference_and_ort(models: di
             _, got = s.prefill(seq, all_logits=True, want_logits=True)
             assert np.abs(got - want).max() <= ORT_ATOL, (level, float(np.abs(got - want).max()))
             assert list(want[len(PROMPT) - 1:-1].argmax(-1)) == r["tokens"][:4]
-            if level == levels[-1]:  # decode equals prefill on the in-stream dequantizing body
+            if level == levels[-1]:  # decode equals prefill on the in-stream dequantizing bodies
                 s.reset()
                 s.prefill(seq[:3])
                 for i, t in enumerate(seq[3:]):
                     _, lg = s.step(t, want_logits=True)
                     assert np.abs(lg[0] - got[3 + i]).max() <= 1e-4
-
-
-def test_blocks_wider_than_k_stay_dense_and_the_report_says_why(models: dict[str, Any]) -> None:
-    _, bundle, res = models["b128"]
-    q = res.manifest["quantization"]
-    assert q["source"] == "onnx" and q["formats"] == {"nbits4_b128": 2}, q  # the MLP down projections (K=128)
-    assert len(q["dense"]) == 13 and all("K=64 is not a multiple of block_size=128" in w for w in q["dense"].values())
-    lines = describe_packed(q)  # the compile report's quantize lines
-    assert lines[0].startswith("2 matrices kept") and "K=64 is not a multiple of block_size=128" in lines[1], lines
-    b = Built(bundle, None)
-    ref = zlc.load(bundle).session("reference")
-    with b.session(threads=2) as s:
-        assert_matches(run_both(s, ref, PROMPT, steps=2))
 
 
 def _ort_tensors(n: int, k: int, block: int, with_zp: bool, seed: int) -> dict[str, np.ndarray]:
@@ -147,7 +149,8 @@ def _ort_weight(t: dict[str, np.ndarray], n: int, k: int, block: int) -> np.ndar
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
 @pytest.mark.parametrize("with_zp", [True, False])
 @pytest.mark.parametrize("scale_type", ["f32", "f16"])
-def test_dequantization_is_orts_bit_for_bit(models: dict[str, Any], block: int, with_zp: bool, scale_type: str) -> None:
+def test_dequantization_is_orts_bit_for_bit(mixed: tuple[Path, Path, Any], block: int, with_zp: bool,
+                                            scale_type: str) -> None:
     """nbits4 blocks from ORT's tensors: QuantizedWeight.dequantize (the reference executor's
     weights) and the kernel's zlc_native_dequantize (session-start panels, then a prefill task's
     dequantization, full panels VL lanes at a time and a narrow last one, every ISA level) give
@@ -163,9 +166,9 @@ def test_dequantization_is_orts_bit_for_bit(models: dict[str, Any], block: int, 
     packed = pack_nbits4(t["B"], scales, t["zp_packed"], n=n, k=k, block=block)
     assert packed.format is FORMATS[f"nbits4_b{block}"] and packed.nbytes == n * k // block * (5 + block // 2)
     assert np.array_equal(packed.dequantize().view(np.uint32), want.view(np.uint32))
-    man = zlc.load(models["b16"][1]).manifest
+    man = zlc.load(mixed[1]).manifest
     for level in _levels(man):
-        lib = ctypes.CDLL(str(models["b16"][1] / man["native"]["levels"][level]["library"]))
+        lib = ctypes.CDLL(str(mixed[1] / man["native"]["levels"][level]["library"]))
         got = np.zeros((n, k), np.float32)
         rc = lib.zlc_native_dequantize(packed.blocks.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(n),
                                        ctypes.c_int64(k), ctypes.c_int64(packed.format.code),
