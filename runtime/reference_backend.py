@@ -69,7 +69,8 @@ def arena_weights(bundle: Path, manifest: dict[str, Any], texts: list[str]) -> d
 def _packed(bundle: Path, arenas: dict[str, torch.Tensor], pl: dict[str, Any], name: str, fmt: str,
             shape: list[int]) -> QuantizedWeight:
     """The blocks of a packed constant, as the bundle stores them in Q (the parser dequantizes
-    them with gguf's dequantizer: the reference computes on exactly the kernel's weights)."""
+    them with QuantizedWeight.dequantize, gguf's dequantizer or nbits4's (q - z) * s: the
+    reference computes on exactly the kernel's weights)."""
     f = get_format(fmt)
     n, k = shape
     nbytes = n * (k // f.block_k) * f.block_bytes
