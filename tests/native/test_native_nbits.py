@@ -1,13 +1,12 @@
 """ONNX Runtime's MatMulNBits int4 weights kept 4-bit from the ONNX file to the native kernel
 (ir/quant.py nbits4_b<B>). Models: the zoo's tiny Llama export quantized by onnxruntime's own
 MatMulNBitsQuantizer, node by node in blocks of 16 (with zero points), 32 (symmetric) and 128
-(too wide for K=64: dense, and the report says why; so is a gated pair in two formats: one
-kernel streams all three formats), and onnxruntime-genai's int4 builds
-of the tiny Llama (fused QKV, block 32) and Gemma (tied: GatherBlockQuantized embedding).
-Oracles: the reference executor on the bundle's blocks (max abs 1e-4, equal greedy tokens, every
-ISA level of this host), ONNX Runtime on the quantized model itself, and ORT's own
-dequantization (its f32 kernel on an identity matrix) bit for bit against zlc's blocks, numpy's
-(q - z) * s and the kernel's exported zlc_native_dequantize."""
+(too wide for K=64: dense, and the report says why; so is a gated pair in two formats): one
+kernel streams all three formats; and onnxruntime-genai's int4 build of the tiny Llama (fused
+QKV, block 32). Oracles: the reference executor on the bundle's blocks (max abs 1e-4, equal
+greedy tokens, every ISA level of this host), ONNX Runtime on the quantized model itself, and
+ORT's own dequantization (its f32 kernel on an identity matrix) bit for bit against zlc's
+blocks, numpy's (q - z) * s and the kernel's exported zlc_native_dequantize."""
 
 from __future__ import annotations
 
@@ -177,17 +176,15 @@ def test_dequantization_is_orts_bit_for_bit(mixed: tuple[Path, Path, Any], block
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (level, block)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_genai_int4_build_stays_packed(tmp_path: Path, family: str) -> None:
-    """onnxruntime-genai's `-p int4` build of a tiny model (MatMulNBits block 32, fused QKV split
-    into row ranges of its blocks; Gemma's tied embedding a GatherBlockQuantized of the LM head's
-    blocks, dequantized, while the head streams them): every matrix streams packed and matches
-    the reference."""
+def test_genai_int4_build_stays_packed(tmp_path: Path) -> None:
+    """onnxruntime-genai's `-p int4` build of the tiny Llama (MatMulNBits block 32, fused QKV split
+    into row ranges of its blocks): every matrix streams packed and matches the reference (Gemma's
+    tied GatherBlockQuantized build: tests/frontend/test_onnx_zoo.py against ORT)."""
     from zlc.testing import zoo
 
     if not zoo.genai_available():
         pytest.skip("pip install onnxruntime-genai")
-    path = zoo.cached("genai_int4", family)
+    path = zoo.cached("genai_int4", "llama")
     # verify=False: the build asks ORT for accuracy_level 4 (int8 activations), which is not what
     # the graph's weights define; tests/frontend/test_onnx_zoo.py compares it at level 0
     res = zlc.compile(path, targets=["cpu"], out=tmp_path / "genai-int4.zlc", max_seq=64, verify=False)
