@@ -21,7 +21,7 @@ from native_helpers import Built, assert_matches, run_both
 
 import zlc
 from zlc.codegen.native import find_compiler
-from zlc.ir.quant import FORMATS, pack_nbits4
+from zlc.ir.quant import FORMATS, NBITS_BLOCKS, pack_nbits4
 from zlc.passes.quantize import describe_packed
 from zlc.runtime.native import host_cpu_flags
 
@@ -145,7 +145,7 @@ def _ort_weight(t: dict[str, np.ndarray], n: int, k: int, block: int) -> np.ndar
     return np.ascontiguousarray(s.run(None, {"A": np.eye(k, dtype=np.float32)})[0].T)
 
 
-@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("block", NBITS_BLOCKS)  # 16 .. 1024
 @pytest.mark.parametrize("with_zp", [True, False])
 @pytest.mark.parametrize("scale_type", ["f32", "f16"])
 def test_dequantization_is_orts_bit_for_bit(mixed: tuple[Path, Path, Any], block: int, with_zp: bool,
@@ -155,7 +155,7 @@ def test_dequantization_is_orts_bit_for_bit(mixed: tuple[Path, Path, Any], block
     dequantization, full panels VL lanes at a time and a narrow last one, every ISA level) give
     (q - z) * s in f32 bit for bit, which is what ORT's f32 kernel multiplies by (f32 scales; ORT
     reads f16 scales only with f16 activations, so those are checked against numpy's widening)."""
-    n, k = 37, 256  # 37 rows: full panels and a narrow one at every VL
+    n, k = 37, 1024  # 37 rows: full panels and a narrow one at every VL
     t = _ort_tensors(n, k, block, with_zp, seed=block + with_zp)
     scales = t["scales"].astype(np.float16) if scale_type == "f16" else t["scales"]
     want = ((t["q"].astype(np.float32) - t["zp"][..., None].astype(np.float32))
