@@ -146,7 +146,9 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     data): the Triton kernel does not stream packed weights yet."""
     graphs = _graphs(lowered)
     packed: dict[str, Any] = {}
-    for g in graphs:
+    # what the bundle streams: the prefill/decode graphs (a fused QKV split there stays whole in the
+    # stateless graph, where it would count twice)
+    for g in [g for g in (lowered.prefill, lowered.decode) if g is not None] or graphs:
         for v in g.consts.values():
             if v.quant is not None:
                 packed.setdefault(v.name, v.quant)

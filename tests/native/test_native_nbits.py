@@ -189,7 +189,8 @@ def test_genai_int4_build_stays_packed(tmp_path: Path) -> None:
     # the graph's weights define; tests/frontend/test_onnx_zoo.py compares it at level 0
     res = zlc.compile(path, targets=["cpu"], out=tmp_path / "genai-int4.zlc", max_seq=64, verify=False)
     q = res.manifest["quantization"]
-    assert q["source"] == "onnx" and set(q["formats"]) == {"nbits4_b32"} and q["dense"] == {}, q
+    assert q["source"] == "onnx" and q["formats"] == {"nbits4_b32": 15} and q["dense"] == {}, q  # 7 per layer + head
+    assert q["packed_bytes"] == res.manifest["weights"]["Q"]["bytes"]  # the fused QKV counted once, as its splits
     b = Built(tmp_path / "genai-int4.zlc", None)
     ref = zlc.load(b.path).session("reference")
     with b.session(threads=2) as s:
