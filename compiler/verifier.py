@@ -86,6 +86,35 @@ class F32Reference:
         return out[0, -len(ids):].float().numpy()
 
 
+def _exact_nbits(path: str | os.PathLike[str], so: Any) -> tuple[str | bytes, int]:
+    """The model ORT runs as the oracle, and how many MatMulNBits it runs at accuracy_level 0: a
+    higher level (4: onnxruntime-genai's CPU int4 default) makes ORT quantize the activations to
+    int8, which the model's weights do not define; zlc computes in f32 on the exact weight, as ORT
+    does at level 0. Such a model runs from its proto (without loading its external data: ORT
+    reads that from the model's folder) with those nodes at level 0."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # ORT's own loading reports it
+        return str(path), 0
+    n = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            for a in node.attribute:
+                if a.name == "accuracy_level" and a.i != 0:
+                    a.i, n = 0, n + 1
+    if not n:
+        return str(path), 0
+    try:
+        data = model.SerializeToString()
+    except ValueError:  # a proto over 2 GB (inline weights): ORT runs the file as it is
+        return str(path), 0
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                str(Path(path).resolve().parent))
+    return data, n
+
+
 class OrtReference:
     """ONNX Runtime as the oracle, for stateless and cache-carrying (Optimum/genai) graphs."""
 
@@ -94,8 +123,9 @@ class OrtReference:
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        model, self.exact_nbits = _exact_nbits(path, so)
         try:
-            self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            self.sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for bad models
             raise ModelFormatError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
         self.inputs = {i.name: i for i in self.sess.get_inputs()}
@@ -252,6 +282,8 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
     else:
         try:
             ref = OrtReference(path, dims)
+            if ref.exact_nbits:
+                oracle = f"{ORT}, its {ref.exact_nbits} MatMulNBits at accuracy_level 0 (f32, zlc's computation)"
             if dtype == "f16":
                 ref.feed([0])  # an f16 graph may load and still lack a kernel at run time
                 ref.reset()
