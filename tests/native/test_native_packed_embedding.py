@@ -143,3 +143,31 @@ def test_a_tied_head_the_triton_kernel_streams_keeps_the_blocks(tmp_path: Path) 
     assert emb.inputs[0].data is table.data and head.inputs[1] is table and table.quant is not None
     assert "LM head streams 'token_embd.weight'" in why["token_embd.weight.dense"]
     verify_graph(g)
+
+
+@pytest.mark.parametrize("word,value", [(None, 0), ("table_format", 9), ("vocab", 1 << 40), ("hidden", 48)])
+def test_a_corrupt_packed_table_descriptor_refuses_the_session(untied: tuple[Path, Path, Any], tmp_path: Path,
+                                                               word: str | None, value: int) -> None:
+    """An embed descriptor naming an unknown format, more rows than Q holds, or a row length that is
+    no whole number of blocks: the session does not start (one-line NativeError), nothing is read.
+    (None: the tables as compiled, written back the same way, start.)"""
+    from safetensors.numpy import load_file, save_file
+
+    from zlc import bundle as fmt
+    from zlc.codegen.descriptors import EmbedDesc
+    from zlc.runtime.native import NativeBackend, NativeError
+
+    out, man = untied[1], untied[2].manifest
+    src = out / man["tilings"][man["native"]["tiling"]]["tables"]
+    t = load_file(str(src))
+    tasks, di = t["tasks"], t["desc_int"].reshape(-1, fmt.DESC_WORDS).copy()
+    embeds = {int(r[1]) for r in tasks[fmt.HEADER_WORDS:].reshape(-1, fmt.TASK_WORDS) if r[0] == fmt.OP_EMBED}
+    assert embeds and all(di[d, EmbedDesc.table_format] == 2 for d in embeds)  # q4_0
+    for d in embeds if word else ():
+        di[d, getattr(EmbedDesc, word)] = value
+    save_file({**t, "desc_int": di.reshape(t["desc_int"].shape)}, str(tmp_path / "tables.safetensors"))
+    if word is None:
+        NativeBackend(out, man, threads=1, tables=tmp_path / "tables.safetensors").close()
+        return
+    with pytest.raises(NativeError, match="could not start a session"):
+        NativeBackend(out, man, threads=1, tables=tmp_path / "tables.safetensors")
