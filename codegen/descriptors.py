@@ -124,11 +124,14 @@ class EmbedDesc(Desc):
     out_off = I(0, "A offset of the output rows")
     out_stride = I(1, "output row stride")
     hidden = I(2, "columns (the hidden size)")
-    table = I(3, "W offset of the token table [vocab, hidden]")
+    table = I(3, "W offset of the token table [vocab, hidden]; Q byte offset when table_format is set")
     pos_table = I(4, "W offset of the learned position table, -1 none (GPT-2)")
     norm = I(5, "a norm of the embedded rows, in place: NORM_NONE, NORM_RMS or NORM_LAYER (BLOOM)")
     norm_w = I(6, "P offset of that norm's gains")
     norm_b = I(7, "P offset of its bias, -1 none")
+    table_format = I(8, "0: the token table is dense in W; else its packed format's code (ir/quant.py), "
+                        "its rows of blocks gathered and dequantized (native kernel only)")
+    vocab = I(9, "rows of the token table")
     scale = F(0, "the rows' scale (Gemma: sqrt(hidden))")
     eps = F(1, "the norm's epsilon")
 

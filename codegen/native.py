@@ -40,7 +40,7 @@ from zlc.errors import ZlcError
 from zlc.targets import IsaLevel, isa_levels_for
 
 from . import program as pg
-from .descriptors import AttentionDesc, LinearDesc, constants
+from .descriptors import AttentionDesc, EmbedDesc, LinearDesc, constants
 from .emit import DEBUG_WAIT_TIMEOUT_NS
 from .program import Program
 
@@ -102,8 +102,10 @@ def render(p: Program, *, weight_dtype: str, version: str) -> str:
     dims = sorted({int(p.desc_int[d, AttentionDesc.head_dim]) for op, d in used  # cache_append's word too
                    if op in (fmt.OP_ATTENTION, fmt.OP_CACHE_APPEND)})
     # the packed formats (ir/quant.py codes) the Linears stream; each gets its own loop body
-    formats = sorted({int(p.desc_int[d, LinearDesc.w_format]) for op, d in used
-                      if op == fmt.OP_LINEAR and not p.desc_int[d, LinearDesc.route]} - {0})
+    formats = sorted(({int(p.desc_int[d, LinearDesc.w_format]) for op, d in used
+                       if op == fmt.OP_LINEAR and not p.desc_int[d, LinearDesc.route]}
+                      # a packed embedding table needs the dequantization (W_PACKED) too
+                      | {int(p.desc_int[d, EmbedDesc.table_format]) for op, d in used if op == fmt.OP_EMBED}) - {0})
     t = p.tiling
     return env.get_template("megakernel.c.jinja").render(
         version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=constants(),

@@ -111,9 +111,10 @@ class TaskBuilder(AttentionTasks, MlpTasks):
             self.skip.add(id(user))
             out_v = user.output
         out = self.buffer("embed", hidden)
+        fmt = tok[0].quant.format.code if tok[0].quant is not None else 0  # a packed token table (GGUF)
         d = self.desc("embed", EmbedDesc, out_off=self.buffers[out.name].offset, out_stride=hidden, hidden=hidden,
-                      table=self.w(tok[0], n), pos_table=self.w(pos[0], n) if pos else -1, **norm,
-                      scale=scale, eps=eps)
+                      table=self.w(tok[0], n, packed_ok=True), pos_table=self.w(pos[0], n) if pos else -1, **norm,
+                      scale=scale, eps=eps, table_format=fmt, vocab=int(tok[0].shape[0]))  # type: ignore[index, arg-type]
         self.add_op("embed", [Task(OP_EMBED, d, writes=[Region(out.name, 0, hidden)], label="embed")])
         self.views[id(out_v)] = out
 

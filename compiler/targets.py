@@ -110,8 +110,9 @@ def decode_traffic(decode: Graph, *, context: int, weight_dtype: DType | None = 
         for i, v in enumerate(n.inputs):
             if v is None or v.kind != "const" or v.shape is None:
                 continue
-            if n.op == "Embedding" and i == 0:
-                row_only[id(v)] = int(v.shape[1]) * _size(v.dtype, weight_dtype)  # type: ignore[arg-type]
+            if n.op == "Embedding" and i == 0:  # a packed table: one row of blocks
+                row_only[id(v)] = v.quant.nbytes // v.quant.n if v.quant is not None else \
+                    int(v.shape[1]) * _size(v.dtype, weight_dtype)  # type: ignore[arg-type]
             elif n.op == "RoPE" and i in (1, 2):
                 row_only.setdefault(id(v), int(v.shape[-1]) * _size(v.dtype, weight_dtype))  # type: ignore[arg-type]
             else:

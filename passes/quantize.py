@@ -2,9 +2,10 @@
 
 Every Linear matrix (ir/quant.py PACKED_INPUTS: Linear, LMHead, the MLPs) that is an f32 [N, K] constant with K a multiple of 32 gets packed blocks
 (ir/quant.py) and, as its data, their exact dequantization: the graphs stay f32 models the
-reference executor runs, and they compute what the kernels compute from the blocks. The embedding
-table stays dense (also when tied: the LM head then reads a packed copy). Left dense, and said so
-in the summary: MoE expert stacks (3-D), non-f32 weights, K not a multiple of 32.
+reference executor runs, and they compute what the kernels compute from the blocks. So does the
+embedding's token table (ir/quant.py PACKED_TABLES; tied with the LM head: one packed constant serves
+both). Left dense, and said so in the summary: MoE expert stacks (3-D), non-f32 weights, K not a
+multiple of 32, a learned position table.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 
 from zlc.errors import ZlcError
 from zlc.ir import DType, Graph, Value
-from zlc.ir.quant import PACKED_INPUTS, quantize
+from zlc.ir.quant import PACKED_INPUTS, PACKED_TABLES, quantize
+
+from .embed_tables import dense_tables_for_gpu
 
 # `--quantize` spellings -> the format; int4 alone is q4_0 (scale only; q4_1 adds a min per block)
 SCHEMES = {"int8": "q8_0", "int4": "q4_0", "int4:q4_0": "q4_0", "int4:q4_1": "q4_1"}
@@ -72,10 +75,9 @@ def _key(v: Value) -> Any:
 
 def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
     """Packs the Linear weights of `graphs` (one model's prefill/decode/stateless graphs, which may
-    share constants) in format `fmt`, in place. A matrix that is also read otherwise (a tied LM head:
-    the embedding's table) gets a packed copy of its own, `<name>.<fmt>`, for its Linears; the
-    table stays dense for the embedding (a step reads one of its rows, but all of the LM head).
-    Raises QuantizeError on an already packed model."""
+    share constants) and their embeddings' token tables in format `fmt`, in place (a tied table:
+    one packed constant for both). A matrix that is also read otherwise gets a packed copy of its
+    own, `<name>.<fmt>`, for its Linears. Raises QuantizeError on an already packed model."""
     summary = QuantizeSummary(fmt)
     other_use: set[Any] = set()  # storage read as anything but a Linear's weight
     wanted: dict[Any, list[tuple[Graph, Any, int, Value]]] = {}  # storage -> (graph, node, input, weight)
@@ -88,7 +90,9 @@ def quantize_graphs(graphs: Sequence[Graph], fmt: str) -> QuantizeSummary:
             for i, inp in enumerate(n.inputs):
                 if inp is None or inp.kind != "const":
                     continue
-                if i in PACKED_INPUTS.get(n.op, ()):
+                token_table = i in PACKED_TABLES.get(n.op, ()) and len(n.inputs) > 1 and \
+                    n.inputs[1] is not None and n.inputs[1].kind == "input"  # not a position table
+                if i in PACKED_INPUTS.get(n.op, ()) or token_table:
                     wanted.setdefault(_key(inp), []).append((g, n, i, inp))
                 else:
                     other_use.add(_key(inp))
@@ -143,8 +147,10 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     an ONNX model's MatMulNBits int4 weights): which matrices stay packed in which format, which
     are dense and why; None when none is packed (nor an ONNX MatMulNBits weight left dense).
     With a GPU target the blocks are dropped (every constant keeps its exact dequantization as
-    data): the Triton kernel does not stream packed weights yet."""
+    data): the Triton kernel does not stream packed weights yet; so are packed embedding tables
+    (embed_tables.py), which it never reads."""
     graphs = _graphs(lowered)
+    tables = dense_tables_for_gpu(graphs, gpu_targets)  # first: the Triton kernel reads dense tables only
     packed: dict[str, Any] = {}
     # what the bundle streams: the prefill/decode graphs (a fused QKV split there stays whole in the
     # stateless graph, where it would count twice)
@@ -158,9 +164,9 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     left: dict[str, str] = {}
     for g in graphs:
         left.update(g.metadata.get("packed_dense", {}))
-    if not packed and not left:
+    if not packed and not tables and not left:
         return None
-    dense = dict(meta.get("dense", {})) | left
+    dense = {**meta.get("dense", {}), **tables, **left}
     source = "gguf" if meta else "onnx" if any("onnx_opset" in g.metadata for g in graphs) else "frontend"
     if gpu_targets:
         for g in graphs:

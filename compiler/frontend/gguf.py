@@ -15,9 +15,10 @@ Weights stay in the file's blocks where the kernels stream them: a matrix read b
 MLP or the LM head whose tensor type is a packed format (ir/quant.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K) becomes a constant whose `quant` is those blocks (row-permuted or split as the
 matrix is: blocks lie along K) and whose data is their exact dequantization (what the reference
-executor reads). Dense, with the reason in `metadata["gguf"]["dense"]`: the token embedding (a step
-reads one row; a tied LM head gets a packed copy), norms and biases, other block types (dequantized
-to f32 by gguf).
+executor reads). So does the token embedding's table (the native kernel gathers a token's row of
+blocks; a tied LM head reads the same constant: one packed table, no dense copy). Dense, with the
+reason in `metadata["gguf"]["dense"]`: norms and biases, other block types (dequantized to f32 by
+gguf).
 """
 
 from __future__ import annotations
@@ -209,7 +210,9 @@ class _Builder:
         g.metadata["gguf"] = {"architecture": f.arch, "context_length": hp.context,
                               "packed": self.packed, "dense": self.dense}
         ids = g.add_input("input_ids", TensorType(DType.i64, (1, "seq")))
-        embed = self.const("token_embd.weight", (hp.vocab, hp.hidden))
+        # the token table stays in the file's blocks where they are packed: the native kernel
+        # gathers a token's row of blocks, a tied LM head streams the same ones (one copy)
+        embed = self.matrix("token_embd.weight", (hp.vocab, hp.hidden))
         x = g.op("Embedding", embed, ids)
         if self.spec.embed_scale:  # Gemma: llama.cpp's graph scales, as HF does (the scalar in f32)
             x = g.op("Mul", x, g.add_const("embed_scale", np.array(hp.hidden ** 0.5, dtype=np.float32)))
@@ -222,17 +225,11 @@ class _Builder:
             cos_v, sin_v = tables.get(local, tables[False])
             x = self.block(i, x, pos, cos_v, sin_v, hp.window if local else 0)
         x = g.op("RMSNorm", x, self.const("output_norm.weight", (hp.hidden,)), eps=hp.eps)
-        self.dense["token_embd.weight"] = "the embedding reads rows of it"
         if "output.weight" in f.tensors:
             head = self.matrix("output.weight", (hp.vocab, hp.hidden))
         else:  # llama.cpp omits the head of tied-embedding models (SmolLM2, Gemma): it reads token_embd
             g.metadata["tied_embeddings"] = True
             head = embed
-            if f.packed("token_embd.weight", (hp.vocab, hp.hidden))[0] is not None:
-                # the table stays dense for the embedding (a step reads one row of it, but all of
-                # the head): the head streams the file's blocks as a packed copy of its own
-                head = self.matrix("token_embd.weight", (hp.vocab, hp.hidden), as_name="token_embd.weight.head")
-                self.dense["token_embd.weight"] += "; the tied LM head reads its blocks as 'token_embd.weight.head'"
         attrs = {"softcap": hp.final_softcap} if hp.final_softcap else {}
         logits = g.add_node("LMHead", [x, head], attrs, name="lm_head", out_names=["logits"]).output
         g.outputs.append(logits)

@@ -52,6 +52,9 @@ BLOCK = 32  # K-values per (sub-)block of the GGUF formats: the kernels' unit of
 # Where a packed weight may be read: op -> its inputs that are [N, K] matrices the kernels stream
 # as a Linear's weights (codegen lowers each of them to a Linear task).
 PACKED_INPUTS: dict[str, tuple[int, ...]] = {"Linear": (1,), "LMHead": (1,), "GatedMLP": (1, 2, 3), "MLP": (1, 3)}
+# Tables read row by row in a packed format: the Embedding's token table (the native kernel gathers
+# each token's row of blocks and dequantizes it; the Triton kernel reads none, passes/embed_tables.py).
+PACKED_TABLES: dict[str, tuple[int, ...]] = {"Embedding": (0,)}
 
 
 @dataclass(frozen=True)

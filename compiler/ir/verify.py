@@ -6,7 +6,7 @@ from zlc.errors import IRError, ShapeError
 
 from .graph import Graph
 from .ops import OPS, infer_types
-from .quant import PACKED_INPUTS
+from .quant import PACKED_INPUTS, PACKED_TABLES
 from .types import DType, TensorType
 from .values import Value
 
@@ -77,7 +77,7 @@ def verify_graph(g: Graph, *, check_types: bool = True) -> None:
 def _check_packed(g: Graph, v: Value) -> None:
     """A packed weight (ir/quant.py): f32 [N, K] data, blocks of exactly that matrix, read only as
     matrix of a Linear-like op (quant.PACKED_INPUTS: the kernels dequantize it in a Linear's weight
-    stream, nowhere else)."""
+    stream) or as an embedding's table (quant.PACKED_TABLES: rows gathered and dequantized)."""
     shape = v.shape or ()
     if v.kind != "const" or v.dtype != DType.f32 or len(shape) != 2 or not all(isinstance(d, int) for d in shape):
         raise IRError(f"'%{v.name}': a {v.quant.format.name} weight must be an f32 [N, K] constant, got {v.type}")
@@ -87,7 +87,7 @@ def _check_packed(g: Graph, v: Value) -> None:
     v.quant.check(f"'%{v.name}'")
     for n in g.nodes:
         for i, inp in enumerate(n.inputs):
-            if inp is v and i not in PACKED_INPUTS.get(n.op, ()):
+            if inp is v and i not in PACKED_INPUTS.get(n.op, ()) + PACKED_TABLES.get(n.op, ()):
                 raise IRError(f"node '{n.name}' ({n.op}) reads the {v.quant.format.name} weight '%{v.name}' as "
-                              f"input {i}; a packed weight is only a Linear's matrix "
-                              f"({', '.join(f'{o} {list(ix)}' for o, ix in PACKED_INPUTS.items())})")
+                              f"input {i}; a packed weight is only a Linear's matrix or an embedding's table "
+                              f"({', '.join(f'{o} {list(ix)}' for o, ix in {**PACKED_INPUTS, **PACKED_TABLES}.items())})")

@@ -105,14 +105,20 @@ def test_gemma3_linear_rope_scaling_is_on_its_global_layers_only(tmp_path: Path)
 
 
 def test_the_gemma3_bundle_on_the_native_kernel_equals_hugging_face(tmp_path: Path) -> None:
+    """A Q8_0 file: the kernel gathers the scaled embeddings from the packed table the tied head
+    streams (one constant); Hugging Face runs on the dequantized weights."""
+    from gguf import GGMLQuantizationType
+
     import zlc
     from zlc.testing.families import save_chat_tokenizer
 
-    path, expect = _write("gemma3", tmp_path / "gemma3.gguf")
+    path, expect = _write("gemma3", tmp_path / "gemma3.gguf", GGMLQuantizationType.Q8_0)
     # the same byte-level vocabulary as a tokenizer.json (transformers' GGUF tokenizer converters
     # expect Gemma's own SentencePiece vocabulary, which the tiny file does not have)
     tok = save_chat_tokenizer(tmp_path / "tok")
     res = zlc.compile(path, targets=("cpu",), out=tmp_path / "gemma3.zlc", max_seq=64, tokenizer=tok)
+    assert [(p["value"], p["arena"]) for p in res.manifest["weights"]["placement"]
+            if p["value"].startswith("token_embd")] == [("token_embd.weight", "Q")]
     with zlc.load(res.path) as b:
         assert b.generate(PROMPT, NEW_TOKENS, device="cpu", eos=[]) == expect
         assert b.generate(PROMPT, NEW_TOKENS, device="reference", eos=[]) == expect

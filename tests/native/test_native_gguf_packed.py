@@ -1,7 +1,8 @@
 """GGUF files whose blocks stay packed from file to kernel: every block format the native kernel
 streams (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in one tiny Llama (hidden 256 for the
 K-quants' 256-value super-blocks; K-quant tensors are random blocks, gguf having no quantizer for
-them), a tied Q4_1 embedding whose LM head streams the blocks as its own packed copy. Oracle: the
+them), a tied Q4_1 embedding table that the LM head and the embedding read as one packed constant
+(the embedding gathers from the head's block panels). Oracle: the
 reference executor on the bundle's blocks dequantized by gguf (max abs 1e-4, equal greedy tokens)
 on every ISA level of this host, and decode equals prefill. The frontend hands the file's bytes
 through unchanged and its f32 data is gguf's dequantization bit for bit; so is the kernel's own
@@ -58,8 +59,10 @@ def test_every_format_streams_and_matches_the_reference(mixed: tuple[Path, Path,
     q = res.manifest["quantization"]
     assert q["source"] == "gguf" and sorted(q["formats"]) == sorted(
         {"q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"})
-    assert q["tensors"]["token_embd.weight.head"] == "q4_1"  # the tied head streams the blocks
-    assert "token_embd.weight" in q["dense"] and q["packed_bytes"] < q["f32_bytes"] / 4
+    assert q["tensors"]["token_embd.weight"] == "q4_1"  # one packed table: the embedding's and the tied head's
+    assert not any(name.startswith("token_embd") for name in q["dense"]) and q["packed_bytes"] < q["f32_bytes"] / 4
+    places = [p for p in res.manifest["weights"]["placement"] if p["value"].startswith("token_embd")]
+    assert [(p["value"], p["arena"]) for p in places] == [("token_embd.weight", "Q")]  # no dense copy in W
     assert sorted(res.manifest["weights"]["Q"]["formats"]) == sorted(q["formats"])
     b = zlc.load(out)
     flags = host_cpu_flags()
@@ -89,7 +92,7 @@ def test_the_frontend_hands_the_files_blocks_through(mixed: tuple[Path, Path, An
     tensors = {t.name: t for t in reader.tensors}
     g = import_gguf(path, 64)
     for name, t in TYPES.items():
-        v = g.consts[name + (".head" if name == "token_embd.weight" else "")]
+        v = g.consts[name]
         assert v.quant is not None and v.quant.format.name == t.name.lower(), name
         raw = np.asarray(tensors[name].data).reshape(v.quant.n, -1)
         deq = gguf.quants.dequantize(tensors[name].data, t).reshape(v.quant.n, v.quant.k)
@@ -98,7 +101,9 @@ def test_the_frontend_hands_the_files_blocks_through(mixed: tuple[Path, Path, An
             raw, deq = raw[idx], deq[idx]
         assert np.array_equal(v.quant.blocks, raw), name
         assert np.array_equal(np.asarray(v.data).view(np.uint32), deq.astype(np.float32).view(np.uint32)), name
-    assert g.consts["token_embd.weight"].quant is None
+    head = next(n for n in g.nodes if n.op == "LMHead")
+    emb = next(n for n in g.nodes if n.op == "Embedding")
+    assert head.inputs[1] is emb.inputs[0] is g.consts["token_embd.weight"] and "token_embd.weight.head" not in g.consts
 
 
 def test_quantize_on_a_quantized_gguf_is_one_error_line(mixed: tuple[Path, Path, Any], tmp_path: Path) -> None:

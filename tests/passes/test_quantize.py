@@ -1,6 +1,6 @@
 """Packed weight formats in the IR (ir/quant.py) and `--quantize` (passes/quantize.py): gguf's
 quantizer and dequantizer as the oracle, the verifier's and the text form's view of packed
-constants, a tied LM head's packed copy, and the one-line errors."""
+constants, a packed embedding table (one constant with a tied LM head), and the one-line errors."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_quantize_packs_every_linear_matrix_and_round_trips_as_text(tiny_onnx: P
     for v in _graphs(lw):
         verify_graph(v)
     packed = {v.name: v for v in g.consts.values() if v.quant is not None}
-    assert {n.op for n in g.nodes if any(i in packed.values() for i in n.inputs)} == {"Linear", "LMHead", "GatedMLP"}
+    readers = {n.op for n in g.nodes if any(i in packed.values() for i in n.inputs)}
+    assert readers == {"Linear", "LMHead", "GatedMLP", "Embedding"}  # the token table too
     text = print_graph(g)
     lines = {ln.split(":")[0].split("%")[1]: ln for ln in text.splitlines() if ln.strip().startswith("const %")}
     assert all(lines[k].endswith(" q4_1") for k in packed)
@@ -85,27 +86,31 @@ def test_a_packed_weight_read_as_anything_else_is_refused(tiny_onnx: Path) -> No
     lw = _fresh(tiny_onnx)
     quantize_graphs(_graphs(lw), "q8_0")
     g = lw.decode
-    emb = next(n for n in g.nodes if n.op == "Embedding")
+    norm = next(n for n in g.nodes if n.op == "RMSNorm")
     head = next(n for n in g.nodes if n.op == "LMHead")
-    emb.inputs[0] = head.inputs[1]  # the embedding reading the head's packed blocks
-    with pytest.raises(IRError, match=r"\(Embedding\) reads the q8_0 weight .* as input 0"):
+    norm.inputs[1] = head.inputs[1]  # a norm's gains reading the head's packed blocks
+    with pytest.raises(IRError, match=r"\(RMSNorm\) reads the q8_0 weight .* as input 1"):
         verify_graph(g)
 
 
-def test_a_tied_head_gets_a_packed_copy_and_the_embedding_stays_dense(tiny_onnx: Path) -> None:
+def test_the_embedding_table_is_packed_and_a_tied_head_reads_the_same_constant(tiny_onnx: Path) -> None:
     lw = _fresh(tiny_onnx)
     for g in _graphs(lw):  # tie them: the LM head reads the embedding's table
         emb = next(n for n in g.nodes if n.op == "Embedding")
         head = next(n for n in g.nodes if n.op == "LMHead")
         head.inputs[1] = emb.inputs[0]
     table = lw.decode.consts[next(n for n in lw.decode.nodes if n.op == "Embedding").inputs[0].name]
+    before = table.const_array().copy()
     s = quantize_graphs(_graphs(lw), "q8_0")
-    assert s.copies == {table.name: f"{table.name}.q8_0"}
-    assert table.quant is None
+    assert s.copies == {} and table.name in s.packed
+    assert table.quant is not None and table.quant.format.name == "q8_0"
+    assert np.array_equal(table.const_array(), quantize(before, "q8_0").dequantize())
     for g in _graphs(lw):
         verify_graph(g)
+        emb = next(n for n in g.nodes if n.op == "Embedding")
         head = next(n for n in g.nodes if n.op == "LMHead")
-        assert head.inputs[1].name == f"{table.name}.q8_0" and head.inputs[1].quant is not None
+        assert head.inputs[1] is emb.inputs[0] and emb.inputs[0].quant is not None
+        assert f"{table.name}.q8_0" not in g.consts
 
 
 def test_one_line_errors(tiny_onnx: Path, tmp_path: Path) -> None:
