@@ -15,7 +15,7 @@ from typing import Any
 
 from zlc.errors import ZlcError
 from zlc.ir import DType, Graph, Value
-from zlc.ir.quant import PACKED_INPUTS, quantize
+from zlc.ir.quant import PACKED_INPUTS, get_format, quantize
 
 # `--quantize` spellings -> the format; int4 alone is q4_0 (scale only; q4_1 adds a min per block)
 SCHEMES = {"int8": "q8_0", "int4": "q4_0", "int4:q4_0": "q4_0", "int4:q4_1": "q4_1"}
@@ -26,13 +26,13 @@ class QuantizeError(ZlcError):
 
 
 def scheme_for(scheme: str | None, gpu_targets: Sequence[str]) -> str | None:
-    """The format of `--quantize scheme` (None: none asked). The packed formats run on the native
-    CPU kernel only for now: with a GPU target it is a one-line error."""
+    """The format of `--quantize scheme` (None: none asked). With a GPU target the format must be
+    one the Triton kernel streams (WeightFormat.triton), else it is a one-line error."""
     if scheme is None:
         return None
     fmt = parse_scheme(scheme)
-    if gpu_targets:
-        raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream packed weights yet "
+    if gpu_targets and not get_format(fmt).triton:
+        raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream {fmt} weights "
                             f"(target {', '.join(gpu_targets)}); compile the quantized bundle for --target cpu")
     return fmt
 
@@ -141,8 +141,9 @@ def _graphs(lowered: Any) -> list[Graph]:
 def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] | None:
     """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF):
     which matrices stay packed in which format, which are dense and why; None when none is packed.
-    With a GPU target the blocks are dropped (every constant keeps its exact dequantization as
-    data): the Triton kernel does not stream packed weights yet."""
+    With a GPU target a matrix whose format the Triton kernel does not stream (WeightFormat.triton
+    False) drops its blocks (it keeps its exact dequantization as data), per matrix; a gated pair
+    (gate and up: one descriptor word holds both formats) always shares its format, so both go."""
     graphs = _graphs(lowered)
     packed: dict[str, Any] = {}
     for g in graphs:
@@ -154,12 +155,14 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     meta = next((g.metadata.get("gguf") for g in graphs if g.metadata.get("gguf")), None) or {}
     dense = dict(meta.get("dense", {}))
     if gpu_targets:
+        dropped = {name for name, q in packed.items() if not q.format.triton}
         for g in graphs:
             for v in g.consts.values():
-                v.quant = None
-        why = f"dequantized: the Triton kernel ({', '.join(gpu_targets)}) does not stream packed weights yet"
-        dense.update({name: f"{q.format.name} {why}" for name, q in packed.items()})
-        packed = {}
+                if v.name in dropped:
+                    v.quant = None
+        why = f"dequantized: the Triton kernel ({', '.join(gpu_targets)}) does not stream this format"
+        dense.update({name: f"{packed[name].format.name} {why}" for name in dropped})
+        packed = {name: q for name, q in packed.items() if name not in dropped}
     formats: dict[str, int] = {}
     for q in packed.values():
         formats[q.format.name] = formats.get(q.format.name, 0) + 1
