@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zlc
-from zlc.errors import IRError, ZlcError
+from zlc.errors import IRError
 from zlc.ir import verify_graph
 from zlc.ir.quant import FORMATS, QuantizedWeight, quantize
 from zlc.ir.text import parse_graph, print_graph
