@@ -176,7 +176,8 @@ class CudaBackend:
         for param, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
             ptr[param] = self._upload(np.ascontiguousarray(tables[key][1]))
         ptr["W"], ptr["P"] = self._upload_weights(weights)
-        ptr["Q"] = self._upload_q(weights)
+        if "Q" in man["kernel"].get("signature", {}):  # (a bundle of a zlc before packed Triton weights has none)
+            ptr["Q"] = self._upload_q(weights)
         a_floats = int(lay["a_size"])
         if self.kv_pages is not None:  # the batch block and the page pool, past the layout's buffers
             self.batch, self.kv_k, self.kv_v = batch_layout(lay, int(man["model"]["max_seq"]), *self.kv_pages)
