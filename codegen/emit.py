@@ -141,17 +141,6 @@ class Features:
                 + [formats.get(c, str(c)) for c in self.packed])
 
 
-def packed_ks(programs: Sequence[Program]) -> list[int]:
-    """The row lengths K of the decode Linears whose weights are packed (their unrolled bodies)."""
-    ks: set[int] = set()
-    for p in programs:
-        for t in p.tables.get("decode", []):
-            di = p.desc_int[t.desc]
-            if t.op == fmt.OP_LINEAR and di[LinearDesc.route] == 0 and di[LinearDesc.w_format]:
-                ks.add(int(di[LinearDesc.k]))
-    return sorted(ks)
-
-
 def signature(weight_dtype: str) -> dict[str, str]:
     """The kernel's pointer parameters, as `triton.compile` wants them."""
     w = {"fp32": "*fp32", "bf16": "*bf16"}[weight_dtype]
@@ -182,4 +171,4 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv_sources=[gemv_source.body(g) for g in gemv],
-        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route, packed=packed_ks(progs) if f.packed else None), f=f)
+        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route, packed=bool(f.packed)), f=f)
