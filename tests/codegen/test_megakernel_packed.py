@@ -100,7 +100,7 @@ def test_triton_kernel_streams_blocks_on_the_cpu_tiling(packed: tuple[Path, Any]
 def test_triton_kernel_streams_blocks_with_the_gpu_shape_of_work(packed: tuple[Path, Any],
                                                                  tmp_path: Path) -> None:
     """16 columns per task, split-KV merged by the packed o projection as it loads its row, the MLP
-    down left unfused (its weights are packed), BLOCK_K 64: two blocks per step of the blocks body."""
+    down left unfused (its weights are packed), rows of 2 and 4 blocks in steps of 8 (masked)."""
     from zlc.codegen.schedule import schedule
 
     out, res = packed
