@@ -291,9 +291,11 @@ class KernelCode:
         if not ch:
             return params <= WEIGHT_PARAMS
         loads = self.src.loads_at(ch[-1][0], ch[-1][1])
+        if not loads:  # the line table put it on a line without a tl.load (its first use): the dataflow decides
+            return params <= WEIGHT_PARAMS
         ev = Evaluator(self.src, {}, {}, 1)
         bases = {ev.pointer_base(ld.args[0], ch) for ld in loads}
-        if bases and bases <= WEIGHT_PARAMS:
+        if bases <= WEIGHT_PARAMS:
             return True
         return bool(bases & WEIGHT_PARAMS) if None not in bases else params <= WEIGHT_PARAMS
 
