@@ -21,6 +21,7 @@ from typing import Any
 import jinja2
 
 from zlc import bundle as fmt
+from zlc.ir.quant import FORMATS
 
 from . import gemv_source
 from . import program as pg
@@ -34,7 +35,7 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 # How the loop calls each op body (the names are the kernel's locals).
 _CALLS = {
     fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, bat, BLOCK_T, BLOCK_E)",
-    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, P, A, row, d, a, b, c, T, all_logits, bat, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
+    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, Q, P, A, row, d, a, b, c, T, all_logits, bat, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
                    "                      BLOCK_T, DOT_PRECISION, KV_SPLITS, DEBUG, STEP)",
     fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, bat, BLOCK_T, HEAD_P2)",
     fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, bat, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
@@ -82,11 +83,13 @@ class Features:
     embed_norm: bool = False  # EmbedDesc.norm != 0: a norm of the embedding rows (BLOOM)
     embed_pos: bool = False  # EmbedDesc.pos_table >= 0: a learned position table (GPT-2)
     mlp_split_k: bool = False  # LinearDesc.down_rows > 0 (a fused MLP down) or copy != 0 (its accumulator's init)
+    packed: tuple[int, ...] = ()  # LinearDesc.w_format (route 0): the packed weight formats streamed (ir/quant.py codes)
 
     @classmethod
     def of(cls, programs: Sequence[Program]) -> Features:
         f: dict[str, Any] = {}
         acts: set[int] = set()
+        packed: set[int] = set()
 
         def on(name: str, cond: Any) -> None:
             if bool(cond):
@@ -112,10 +115,12 @@ class Features:
                         on("lm_softcap", df[LinearDesc.softcap] > 0)
                         on("bias", di[LinearDesc.bias] >= 0)
                         acts.add(int(di[LinearDesc.act]))
+                        if di[LinearDesc.route] == 0 and di[LinearDesc.w_format]:
+                            packed.add(int(di[LinearDesc.w_format]))
                     elif t.op == fmt.OP_EMBED:
                         on("embed_norm", di[EmbedDesc.norm] != 0)
                         on("embed_pos", di[EmbedDesc.pos_table] >= 0)
-        return cls(**f, activations=tuple(sorted(acts - {0})))
+        return cls(**f, activations=tuple(sorted(acts - {0})), packed=tuple(sorted(packed)))
 
     def flags(self) -> dict[str, bool]:
         """The kernel's constexpr feature flags: HAS_<FEATURE> for each feature, HAS_ACT_<NAME> for
@@ -123,19 +128,24 @@ class Features:
         out = {f"HAS_{k.upper()}": v for k, v in vars(self).items() if isinstance(v, bool)}
         out.update({f"HAS_ACT_{name.upper()}": code in self.activations
                     for name, code in pg.ACTIVATIONS.items() if code})
+        # HAS_PACKED: some Linear streams packed blocks from Q; HAS_<FORMAT>: that format's bodies
+        out["HAS_PACKED"] = bool(self.packed)
+        out.update({f"HAS_{q.name.upper()}": q.code in self.packed for q in FORMATS.values() if q.triton})
         return out
 
     def used(self) -> list[str]:
         """The features set, by name (the manifest's `kernel.features`)."""
         names = {v: k for k, v in pg.ACTIVATIONS.items()}
-        return [k for k, v in vars(self).items() if v is True] + [names.get(a, str(a)) for a in self.activations]
+        formats = {q.code: q.name for q in FORMATS.values()}
+        return ([k for k, v in vars(self).items() if v is True] + [names.get(a, str(a)) for a in self.activations]
+                + [formats.get(c, str(c)) for c in self.packed])
 
 
 def signature(weight_dtype: str) -> dict[str, str]:
     """The kernel's pointer parameters, as `triton.compile` wants them."""
     w = {"fp32": "*fp32", "bf16": "*bf16"}[weight_dtype]
     return {"TASKS": "*i32", "DI": "*i64", "DF": "*fp32", "CTRL": "*i32", "CNT": "*i32",
-            "W": w, "P": "*fp32", "A": "*fp32"}
+            "W": w, "Q": "*u8", "P": "*fp32", "A": "*fp32"}
 
 
 def render(programs: Program | Sequence[Program], *, weight_dtype: str, version: str,
@@ -161,4 +171,4 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv_sources=[gemv_source.body(g) for g in gemv],
-        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route), f=f)
+        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route, packed=bool(f.packed)), f=f)

@@ -40,8 +40,9 @@ NORM_COMBINE = 3  # not a norm: the input row is merged from split-KV attention 
 # After the rows, one record per row (same order) of the weights its task's L2 prefetch requests
 # (the compiled decode kernel's PREFETCH, docs/megakernel.md): a Linear's rows [n0, n1) x K of W
 # and of W2 (gated), in units of 64 elements (pack.py's alignment of W offsets), so int32 covers
-# any arena: [first unit of W's block, units, first unit of W2's block or -1, 0]; other ops
-# [0, 0, -1, 0]. Header word 5 is where the records start.
+# any arena: [first unit of W's block, units, first unit of W2's block or -1, 0]; other ops, and a
+# Linear whose weights are packed blocks in Q (not prefetched yet), [0, 0, -1, 0]. Header word 5
+# is where the records start.
 PF_WORDS = 4
 PF_UNIT = 64
 ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
@@ -189,6 +190,8 @@ class Program:
         if t.op != OP_LINEAR:
             return [0, 0, -1, 0]
         d = self.desc_int[t.desc]
+        if int(d[LinearDesc.route]) == 0 and int(d[LinearDesc.w_format]):  # packed (Q): not prefetched yet
+            return [0, 0, -1, 0]
         k, w_off, w2_off = int(d[LinearDesc.k]), int(d[LinearDesc.w]), int(d[LinearDesc.w2])
         lo, hi = w_off + t.a * k, w_off + t.b * k
         first = lo // PF_UNIT

@@ -198,9 +198,9 @@ class TaskBuilderCore:
         if w2v is not None and (0 if w2v.quant is None else w2v.quant.format.code) != w_format:
             raise ScheduleError(f"node '{node.name}' ({node.op}): the gated pair's matrices %{wv.name} and "
                                 f"%{w2v.name} are stored in different formats (one descriptor word holds both)")
-        if w_format and (expert is not None or self.t.fuse_mlp_down):
-            raise ScheduleError(f"node '{node.name}' ({node.op}): a packed weight in a MoE expert or a fused MLP "
-                                "down (GPU tiling) is not streamed by the kernels yet")
+        if w_format and expert is not None:
+            raise ScheduleError(f"node '{node.name}' ({node.op}): a packed weight in a MoE expert is not streamed "
+                                "by the kernels yet")
         if act not in ACTIVATIONS:
             raise ScheduleError(f"node '{node.name}' ({node.op}): activation '{act}' has no kernel")
         if out is None:

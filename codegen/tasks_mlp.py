@@ -90,13 +90,16 @@ class MlpTasks(TaskBuilderCore):
         its decode output into `out` (copy_off, copy = 1), so there is no zeroing pass and no extra
         level. The down op keeps its prefill tasks and loses its decode ones. Left unfused (the
         down keeps its decode tasks): no residual, a residual no Linear produces (an embedding, a
-        post-norm), one whose producer already feeds another accumulator."""
+        post-norm), one whose producer already feeds another accumulator, and packed weights in any of
+        the three (the packed body has no split-K down: the down keeps its own tasks)."""
         prod, up, down = self.linear_ops.get(res.name) if res else None, self.linear_ops[h.name], self.linear_ops[out.name]
         lay = self.layout
         if (res is None or prod is None or not prod.tasks["decode"] or not up.tasks["decode"]
                 or any(lay.di[t.desc][LinearDesc.copy] or lay.di[t.desc][LinearDesc.route]
                        for t in prod.tasks["decode"] + up.tasks["decode"])
-                or any(len(t.writes) != 1 for t in prod.tasks["decode"])):
+                or any(len(t.writes) != 1 for t in prod.tasks["decode"])
+                or any(lay.di[t.desc][LinearDesc.w_format] for t in prod.tasks["decode"] + up.tasks["decode"])
+                or wd.quant is not None):
             return
         self._redesc(prod, ".init", copy_off=self.buffers[out.name].offset, copy=1)
         for t in prod.tasks["decode"]:

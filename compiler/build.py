@@ -131,7 +131,8 @@ def _verify(b: Build) -> None:
 
 def _quantize(b: Build) -> None:
     if b.quantize is not None:
-        b.quantization = quantize_lowered(b.lowered, b.quantize, lambda d: b.report("quantize", d))
+        b.quantization = quantize_lowered(b.lowered, b.quantize, lambda d: b.report("quantize", d),
+                                          [t.name for t in b.targets if t.is_gpu])
         return
     b.quantization = packed_as_given(b.lowered, [t.name for t in b.targets if t.is_gpu])
     for line in describe_packed(b.quantization) if b.quantization else ():
@@ -468,7 +469,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
     `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
     `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize`: "int8",
-    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py; CPU targets)."""
+    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py)."""
     tgs = _targets(targets)
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")

@@ -495,11 +495,8 @@ def megakernel_fit(decode: Graph | None, max_seq: int) -> FitReport:
     misfits = _regions(decode, unlowered, after) + refused
     if not any(n.op == "LMHead" for n in decode.nodes):
         misfits.append(Misfit("the graph has no LMHead (the logits are not a raised final projection)"))
-    # packed weights (a GGUF's blocks) are dequantized for GPU targets (passes/quantize.py
-    # packed_as_given): the GPU tiling, which fuses the MLP down and does not stream them, sees them dense
-    packed = any(v.quant is not None for v in decode.consts.values())
     if not misfits:  # the whole schedule, per tiling: events and waits have limits of their own
-        for target in ("cpu",) if packed else ("cpu", "h100"):
+        for target in ("cpu", "h100"):
             try:
                 schedule(decode, tiling_for(get_target(target), max_seq), max_seq)
             except ScheduleError as e:

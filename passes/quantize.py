@@ -16,7 +16,7 @@ from typing import Any
 
 from zlc.errors import ZlcError
 from zlc.ir import DType, Graph, Value
-from zlc.ir.quant import PACKED_INPUTS, PACKED_TABLES, quantize
+from zlc.ir.quant import PACKED_INPUTS, PACKED_TABLES, get_format, quantize
 
 from .embed_tables import dense_tables_for_gpu
 
@@ -29,13 +29,13 @@ class QuantizeError(ZlcError):
 
 
 def scheme_for(scheme: str | None, gpu_targets: Sequence[str]) -> str | None:
-    """The format of `--quantize scheme` (None: none asked). The packed formats run on the native
-    CPU kernel only for now: with a GPU target it is a one-line error."""
+    """The format of `--quantize scheme` (None: none asked). With a GPU target the format must be
+    one the Triton kernel streams (WeightFormat.triton), else it is a one-line error."""
     if scheme is None:
         return None
     fmt = parse_scheme(scheme)
-    if gpu_targets:
-        raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream packed weights yet "
+    if gpu_targets and not get_format(fmt).triton:
+        raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream {fmt} weights "
                             f"(target {', '.join(gpu_targets)}); compile the quantized bundle for --target cpu")
     return fmt
 
@@ -146,9 +146,11 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF,
     an ONNX model's MatMulNBits int4 weights): which matrices stay packed in which format, which
     are dense and why; None when none is packed (nor an ONNX MatMulNBits weight left dense).
-    With a GPU target the blocks are dropped (every constant keeps its exact dequantization as
-    data): the Triton kernel does not stream packed weights yet; so are packed embedding tables
-    (embed_tables.py), which it never reads."""
+    With a GPU target a matrix whose format the Triton kernel does not stream (WeightFormat.triton
+    False) drops its blocks (it keeps its exact dequantization as data), per matrix; a gated pair
+    (gate and up: one descriptor word holds both formats) always shares its format, so both go.
+    Packed embedding tables go dense with a GPU target too (embed_tables.py): Triton reads dense
+    tables only."""
     graphs = _graphs(lowered)
     tables = dense_tables_for_gpu(graphs, gpu_targets)  # first: the Triton kernel reads dense tables only
     packed: dict[str, Any] = {}
@@ -169,12 +171,14 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     dense = {**meta.get("dense", {}), **tables, **left}
     source = "gguf" if meta else "onnx" if any("onnx_opset" in g.metadata for g in graphs) else "frontend"
     if gpu_targets:
+        dropped = {name for name, q in packed.items() if not q.format.triton}
         for g in graphs:
             for v in g.consts.values():
-                v.quant = None
-        why = f"dequantized: the Triton kernel ({', '.join(gpu_targets)}) does not stream packed weights yet"
-        dense.update({name: f"{q.format.name} {why}" for name, q in packed.items()})
-        packed = {}
+                if v.name in dropped:
+                    v.quant = None
+        why = f"dequantized: the Triton kernel ({', '.join(gpu_targets)}) does not stream this format"
+        dense.update({name: f"{packed[name].format.name} {why}" for name in dropped})
+        packed = {name: q for name, q in packed.items() if name not in dropped}
     formats: dict[str, int] = {}
     for q in packed.values():
         formats[q.format.name] = formats.get(q.format.name, 0) + 1
@@ -198,10 +202,12 @@ def describe_packed(q: dict[str, Any]) -> list[str]:
     return lines
 
 
-def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """`zlc compile --quantize`: packs a lowered model's Linear matrices in place (its stateless,
-    prefill and decode graphs), verifies the graphs, and measures the cost with the reference
-    executor (reference/accuracy.py). Returns the manifest's `quantization` entry."""
+def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | None = None,
+                     gpu_targets: Sequence[str] = ()) -> dict[str, Any]:
+    """`zlc compile --quantize`: packs a lowered model's Linear matrices and token table in place
+    (its stateless, prefill and decode graphs; with GPU targets the table goes dense again,
+    embed_tables.py), verifies the graphs, and measures the cost with the reference executor
+    (reference/accuracy.py). Returns the manifest's `quantization` entry."""
     from zlc.ir import verify_graph
     from zlc.reference.accuracy import accuracy, probe_logits
 
@@ -211,6 +217,13 @@ def quantize_lowered(lowered: Any, fmt: str, report: Callable[[str], None] | Non
     before = probe_logits(lowered)
     graphs = [g for g in (lowered.graph, lowered.prefill, lowered.decode) if g is not None]
     summary = quantize_graphs(graphs, fmt)
+    blocks = {v.name: v.quant for g in graphs for v in g.consts.values() if v.quant is not None}
+    for name, why in dense_tables_for_gpu(graphs, gpu_targets).items():
+        summary.dense[name] = why
+        if name in summary.packed:  # the table itself went dense (not a tied head's dense copy)
+            summary.packed.remove(name)
+            summary.packed_bytes -= blocks[name].nbytes
+            summary.dense_bytes -= blocks[name].n * blocks[name].k * 4
     for g in graphs:
         verify_graph(g)
     say(f"{len(summary.packed)} matrices packed ({summary.f32_mb()}), {len(summary.dense)} dense")

@@ -83,6 +83,7 @@ from .cuda_launch import (
     select_target,
 )
 from .paged_kv import BatchLayout, batch_layout
+from .q_planes import planar_q
 
 log = logging.getLogger("zlc.runtime.cuda")
 
@@ -175,6 +176,8 @@ class CudaBackend:
         for param, key in (("TASKS", "tasks"), ("DI", "desc_int"), ("DF", "desc_float")):
             ptr[param] = self._upload(np.ascontiguousarray(tables[key][1]))
         ptr["W"], ptr["P"] = self._upload_weights(weights)
+        if "Q" in man["kernel"].get("signature", {}):  # (a bundle of a zlc before packed Triton weights has none)
+            ptr["Q"] = self._upload_q(weights)
         a_floats = int(lay["a_size"])
         if self.kv_pages is not None:  # the batch block and the page pool, past the layout's buffers
             self.batch, self.kv_k, self.kv_v = batch_layout(lay, int(man["model"]["max_seq"]), *self.kv_pages)
@@ -290,6 +293,19 @@ class CudaBackend:
                                 f"({man['weights'][arena]['elements']} x {man['weights'][arena]['dtype']})")
             out.append(self._upload(arr))
         return out[0], out[1]
+
+    def _upload_q(self, weights: Mapping[str, np.ndarray] | None) -> int:
+        """The packed weights (the Q arena) as the Triton kernel reads them (q_planes.py); a
+        bundle without any gets one 64-byte line (the kernel's Q parameter is never read then)."""
+        man = self.manifest
+        if weights is None:
+            st = read_safetensors(self.bundle / man["weights"]["file"])
+            weights = {"Q": st["Q"][1]} if "Q" in st else {}
+        if "Q" not in weights:
+            if man["weights"].get("Q"):
+                raise CudaError("the weights have no Q arena, but the manifest places packed weights in it")
+            return self._upload(np.zeros(64, dtype=np.uint8))
+        return self._upload(planar_q(np.asarray(weights["Q"]), man["weights"]["placement"]))
 
     # -- the control block
     def _write_ctrl(self, mode: int, ids: Sequence[int], past: int, all_logits: bool, auto_advance: bool) -> None:

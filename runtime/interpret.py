@@ -23,6 +23,7 @@ from zlc import bundle as fmt
 from zlc.errors import ZlcError
 
 from .paged_kv import BatchLayout, batch_layout
+from .q_planes import planar_q
 
 
 class InterpretBackend:
@@ -167,6 +168,10 @@ class _KernelState:
         w = load_file(str(bundle / man["weights"]["file"]))
         self.W = w["W"].float()  # bf16 is exact in f32; the interpreter computes in numpy
         self.P = w["P"]
+        self.has_q = "Q" in k.get("signature", {})
+        # packed weights: the GGUF blocks as the Triton kernel reads them (q_planes.py); none: one unread line
+        self.Q = (torch.from_numpy(planar_q(w["Q"].numpy(), man["weights"]["placement"])) if "Q" in w
+                  else torch.zeros(64, dtype=torch.uint8))
         t = load_file(str(tables or bundle / tl["tables"]))
         self.TASKS, self.DI, self.DF = t["tasks"], t["desc_int"], t["desc_float"]
         lay = tl["layout"]
@@ -207,7 +212,8 @@ class _KernelState:
         c[fmt.CTRL_ALL_LOGITS], c[fmt.CTRL_ERROR] = int(all_logits), 0
         c[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
         # STEP: the launch's mode picks the kernel (prefill or decode), as on a GPU
-        self.fn[(self.grid,)](self.TASKS, self.DI, self.DF, self.CTRL, self.CNT, self.W, self.P, self.A,
+        qs = (self.Q,) if self.has_q else ()  # (a bundle of a zlc before packed Triton weights has no Q)
+        self.fn[(self.grid,)](self.TASKS, self.DI, self.DF, self.CTRL, self.CNT, self.W, *qs, self.P, self.A,
                               **self.constexprs, STEP=mode)
         if int(c[fmt.CTRL_ERROR]):
             raise ZlcError(f"the megakernel raised error flags {int(c[fmt.CTRL_ERROR])} (a wait timed out)")

@@ -146,11 +146,6 @@ class Bundle:
         if device == "interpret":
             from .interpret import InterpretBackend
 
-            packed = self.manifest["weights"].get("Q")
-            if packed:  # compile refuses GPU targets for these bundles for the same reason
-                raise ZlcError(f"{self.path} has packed weights ({', '.join(packed['formats'])}); the Triton kernel "
-                               "does not stream them yet: use --device cpu or reference")
-
             tiling = self.manifest["tilings"]["cpu"]
             backend = InterpretBackend(self.path, "cpu", debug=debug)
             return MegakernelSession(backend, chunk=int(tiling["layout"]["chunk"]), max_seq=self.max_seq,

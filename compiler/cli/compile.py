@@ -73,7 +73,7 @@ class CompileProgress:
 @click.option("--quantize", default=None, metavar="int8|int4[:q4_0|q4_1]",
               help="Pack the Linear weights (weight-only, GGUF blocks of 32: int8 = q8_0, int4 = q4_0, "
                    "int4:q4_1 with a min per block); the report gives the logit cost on probe prompts. "
-                   "CPU targets only.")
+                   "The native and the Triton kernel both stream them.")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,

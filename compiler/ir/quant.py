@@ -72,9 +72,9 @@ class WeightFormat:
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("q8_0", 1, 34),
-    WeightFormat("q4_0", 2, 18),
-    WeightFormat("q4_1", 3, 20),
+    WeightFormat("q8_0", 1, 34, triton=True),
+    WeightFormat("q4_0", 2, 18, triton=True),
+    WeightFormat("q4_1", 3, 20, triton=True),
     WeightFormat("q5_0", 4, 22),
     WeightFormat("q5_1", 5, 24),
     WeightFormat("q4_k", 6, 144, 256, False),

@@ -72,6 +72,10 @@ class TaskShape:
     par_rt: float = 0.0  # beside the stream
     tail_rt: float = 0.0  # after it
     instrs: float = 0.0  # warp instructions per warp after the last streamed byte
+    # warp instructions per warp on the whole path (loops times their trips): the body ends no
+    # sooner than they have issued from the task's start (dequantizing weight streams are issue-bound
+    # where the SM's share of HBM outruns its schedulers)
+    issue: float = 0.0
     fences: float = 0.0
     invalidations: float = 0.0
     atomics: float = 0.0  # atomics whose result the task waits for
@@ -338,6 +342,9 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         beside it ends too; then the tail, the math and the sync instructions."""
         s, t = tasks[k], tm[k]
         end = streamed + s.serial_rt * p.l2
+        issued = t.start + s.issue * p.instr
+        if issued > end:
+            end, by = issued, "issue"
         t.body, t.body_by = (end, by) if end >= chain_end[k] else (chain_end[k], "chain")
         after = min(s.post_rt, s.tail_rt) * p.l2 + min(s.post_instrs, s.instrs) * p.instr  # the signal first
         push(t.body + s.tail_rt * p.l2 + s.instrs * p.instr + s.fences * p.fence + s.invalidations * p.inval

@@ -179,6 +179,7 @@ def path_shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: f
     s.used_before_poll = pf.used_before_poll_per_thread > 0
     s.lead_rt, s.par_rt, s.tail_rt = float(pf.lead_rt), float(pf.par_rt), float(pf.tail_rt)
     s.instrs = float(pf.tail_instrs)
+    s.issue = float(pf.instructions)
     s.fences, s.invalidations = pf.sync.fences, pf.sync.l1_invalidations
     s.barriers, s.atomics = pf.sync.barriers, float(pf.waited_atomics)
     s.l2_next_rt = float(pf.l2_prefetch_rt or 0) if pf.l2_prefetches else -1.0
@@ -196,6 +197,7 @@ def path_shape(code: KernelCode, ev: Any, pf: PathFacts, wbytes: int, kvbytes: f
             if trips == 0:
                 continue
             trips = 1 if trips is None else trips  # unknown (the facts say so): once
+            s.issue += trips * len(lf.own)
             it = code.loop_path(lf, ev, body)
             rt = it["round_trips_per_iteration"]
             sy = it["sync"]  # per iteration; a loop's atomics are the body's own (none waited on in practice)
@@ -305,6 +307,10 @@ def predict(code: KernelCode, tables: TableFacts, man: dict[str, Any], context: 
                 "l2_prefetch_bytes_per_thread": c["path"].l2_prefetch_bytes_per_thread,
                 "l2_prefetch_at_end": c["path"].l2_prefetch_at_end,
                 "fences": c["shape"].fences, "l1_invalidations": c["shape"].invalidations,
+                "instructions": round(c["shape"].issue),
+                # per thread: the path's instructions over the weight bytes each thread loads
+                "instructions_per_weight_byte": round(c["shape"].issue * warps * 32 / c["weight_bytes"], 2)
+                if c["weight_bytes"] else None,
                 "path": c["path"].as_dict()} for (body, var), c in info.classes.items()]
     return Prediction(target, context, us, floor, int(nbytes), int(rb) if rb else None, per_op, sms, crit,
                       round(res.hbm_bytes / max(span, 1e-9) / (central.hbm_gbs * 1e3), 3), classes, info.unpriced,

@@ -113,6 +113,18 @@ def checks(rep: dict[str, Any], tf: TableFacts, dec: KernelFacts, pre: KernelFac
     add(f">= {IN_FLIGHT_TARGET // 1024} KB of weights in flight per SM (matrix-vector)",
         ("/".join(_kb(f) for f in sorted({f for f, _ in flights})) or "-") + note,
         bool(flights) and lo[0] >= IN_FLIGHT_TARGET, why or "no weight load found on any matrix-vector path")
+    # Dequantizing bodies issue more instructions per weight byte: the SM's schedulers must keep
+    # up with its share of HBM (per thread: ipc x clock x 32 lanes over the SM's bytes per cycle).
+    lpc = params_for(dec.target, "central")
+    budget = 32 * lpc.ipc * lpc.clock_ghz / (lpc.hbm_gbs / max(lpc.sms, 1))
+    ipb = sorted(((c["instructions_per_weight_byte"], c) for c in mv if c.get("instructions_per_weight_byte")),
+                 key=lambda ic: -ic[0])
+    worst = ipb[0] if ipb else (0.0, None)
+    add(f"instructions per weight byte <= the issue budget ({budget:.1f}: ipc x clock x 32 / HBM bytes per SM)",
+        ", ".join(f"{'/'.join(c['variants']) or c['body']} {v:g}" for v, c in ipb[:4]) or "-",
+        bool(ipb) and worst[0] <= budget,
+        f"{worst[0]:g} in {'/'.join(worst[1]['variants']) or worst[1]['body']}: its stream is issue-bound"
+        if worst[1] is not None else "no weight load found on any matrix-vector path")
     early = [c for c in mv if c["path"]["prefetch_per_thread"] > 0 and c["path"]["polls"] > 0]
     waited = [c for c in mv if c["path"]["polls"] > 0]
     add("weights requested before the task waits", f"{sum(c['tasks'] for c in early)} of "

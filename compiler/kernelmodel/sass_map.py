@@ -32,6 +32,9 @@ __all__ = ["KernelCode", "KernelStatsError", "LoopFacts", "SyncCounts", "enclosi
            "simulate"]
 
 
+WEIGHT_PARAMS = frozenset({"W", "Q"})  # the kernel parameters whose loads are weight bytes (Q: packed)
+
+
 class KernelStatsError(ZlcError):
     """The bundle lacks what the kernel statistics need (a cubin, kernel.py, the tables)."""
 
@@ -277,20 +280,24 @@ class KernelCode:
                 if n in before and (ins.is_global_load or ins.op in ("STG", "ST", "RED", "REDG"))}
 
     def _is_weight_load(self, n: int) -> bool:
-        """Address derives from W, and the source `tl.load` at its line is based on W (a register
-        reused across paths can carry W's taint into another arena's address)."""
+        """Address derives from a weight arena (W, or Q: packed blocks, their quants and scales),
+        and the source `tl.load` at its line is based on it (a register reused across paths can
+        carry W's taint into another arena's address)."""
         ins = self.sass.instrs[n]
-        if not ins.is_global_load or "W" not in self.addr_params.get(n, ()):
+        params = self.addr_params.get(n, frozenset())
+        if not ins.is_global_load or not params & WEIGHT_PARAMS:
             return False
         ch = self.chains[n]
         if not ch:
-            return self.addr_params[n] == {"W"}
+            return params <= WEIGHT_PARAMS
         loads = self.src.loads_at(ch[-1][0], ch[-1][1])
+        if not loads:  # the line table put it on a line without a tl.load (its first use): the dataflow decides
+            return params <= WEIGHT_PARAMS
         ev = Evaluator(self.src, {}, {}, 1)
         bases = {ev.pointer_base(ld.args[0], ch) for ld in loads}
-        if bases == {"W"}:
+        if bases <= WEIGHT_PARAMS:
             return True
-        return "W" in bases if None not in bases else self.addr_params[n] == {"W"}
+        return bool(bases & WEIGHT_PARAMS) if None not in bases else params <= WEIGHT_PARAMS
 
     def _depths(self) -> dict[int, dict[Any, Any]]:
         """Per instruction, per register: global loads on its def-use chain since the top of the task

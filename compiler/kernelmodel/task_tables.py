@@ -7,7 +7,8 @@ a change of the op bodies cannot silently turn them to 0: a Linear task reads ro
 its descriptor's W matrices (LinearDesc's w, and w2 when >= 0; K is k), and with a fused MLP down
 (down_rows > 0) columns [a, b) of that [rows, N] matrix (down_w), the embedding T rows of its table
 (EmbedDesc's table, H = hidden; learned positions pos_table when >= 0); every offset must be a
-placed W weight of that row length, else the table and the manifest disagree (an error). The P
+placed W weight of that row length, else the table and the manifest disagree (an error); a packed
+matrix (w_format != 0) is a placed Q weight whose rows cost their blocks' bytes. The P
 arena's norm gains, biases and rotary rows are counted once per step (the tasks of one Linear share
 them through L2), the KV cache per attention task from its span of keys before this step's position
 (written by earlier steps: DRAM), shared by the heads of a KV group. The decode sum matches the
@@ -100,6 +101,8 @@ class Tables:
         at `context` tokens of cache; prefill: a full chunk, no cache before it."""
         man = self.man
         place = {int(p["offset"]): p for p in man["weights"]["placement"] if p["arena"] == "W"}
+        # packed matrices (w_format != 0): byte offsets into Q, a row costing its blocks' bytes
+        q_place = {int(p["offset"]): p for p in man["weights"]["placement"] if p["arena"] == "Q"}
         w_item = _ITEM.get(str(man["dtype"]["weights"]), 2)
         kv_item = _ITEM.get(str(man["kernel"].get("signature", {}).get("A", "*fp32")).lstrip("*"), 4)
         layout = man["tilings"][self.tiling].get("layout", {})
@@ -109,16 +112,17 @@ class Tables:
         weights, kv = [], []
         p_ranges: list[tuple[int, int]] = []
 
-        def matrix(off: int, lo: int, hi: int, k: int, where: str) -> int:
-            """Bytes of rows [lo, hi) x k of the W matrix placed at `off` (checked against its shape)."""
-            p = place.get(off)
+        def matrix(off: int, lo: int, hi: int, k: int, where: str, packed: bool = False) -> int:
+            """Bytes of rows [lo, hi) x k of the W matrix placed at `off` (checked against its shape),
+            or (`packed`) of the Q matrix at byte offset `off`: its rows' blocks."""
+            p = (q_place if packed else place).get(off)
             if p is None:
-                raise KernelStatsError(f"{where}: W offset {off} is no placed weight (the tables and the manifest's "
-                                       "weight placement disagree)")
+                raise KernelStatsError(f"{where}: {'Q' if packed else 'W'} offset {off} is no placed weight (the "
+                                       "tables and the manifest's weight placement disagree)")
             shape = [int(x) for x in p["shape"]]
             if len(shape) != 2 or shape[1] != k or not 0 <= lo <= hi <= shape[0]:
                 raise KernelStatsError(f"{where}: reads rows [{lo}, {hi}) x {k} of '{p['value']}' {shape}")
-            return (hi - lo) * k * w_item
+            return (hi - lo) * int(p["bytes"]) // shape[0] if packed else (hi - lo) * k * w_item
 
         def columns(off: int, rows: int, k: int, lo: int, hi: int, where: str) -> int:
             """Bytes of columns [lo, hi) of the [rows, k] W matrix placed at `off` (checked)."""
@@ -138,9 +142,10 @@ class Tables:
             if r["op"] == OP_LINEAR:
                 L = LinearDesc
                 kk, lo, hi = int(d[L.k]), r["a"], r["b"]
-                w = matrix(int(d[L.w]), lo, hi, kk, where)
+                packed = int(d[L.route]) == 0 and int(d[L.w_format]) != 0
+                w = matrix(int(d[L.w]), lo, hi, kk, where, packed)
                 if int(d[L.w2]) >= 0:
-                    w += matrix(int(d[L.w2]), lo, hi, kk, where)
+                    w += matrix(int(d[L.w2]), lo, hi, kk, where, packed)
                 if int(d[L.norm]) in (NORM_RMS, NORM_LAYER):
                     p_ranges.append((int(d[L.norm_w]), int(d[L.norm_w]) + kk))
                     if int(d[L.norm]) == NORM_LAYER and int(d[L.norm_b]) >= 0:

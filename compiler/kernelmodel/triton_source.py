@@ -374,6 +374,11 @@ class Evaluator:
                 self._base(e.right, chain, depth + 1) if isinstance(e.op, ast.Add) else None)
         if isinstance(e, ast.Subscript):
             return self._base(e.value, chain, depth + 1)
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute):
+            if e.func.attr == "to":  # a bitcast pointer (the packed weights' f16 scales in Q) keeps its base
+                return self._base(e.func.value, chain, depth + 1)
+            if e.func.attr == "multiple_of" and e.args:
+                return self._base(e.args[0], chain, depth + 1)
         if not isinstance(e, ast.Name):
             return None
         fn, line = chain[-1]

@@ -214,11 +214,15 @@ def test_a_gated_pair_in_two_formats_stays_dense_and_says_why(tmp_path: Path) ->
 
 
 def test_a_gpu_target_gets_the_exact_dequantization(tmp_path: Path) -> None:
-    """The Triton kernel does not stream packed weights: with a GPU target every matrix keeps only
-    its exact dequantization (listed dense with the reason), as the reference reads it."""
-    path = write_gguf(hf_model("llama"), tmp_path / "q41.gguf", qtype=gguf.GGMLQuantizationType.Q4_1)
+    """With a GPU target a matrix whose format the Triton kernel does not stream (q5_0) keeps only
+    its exact dequantization (listed dense with the reason), as the reference reads it; the formats
+    it streams (q4_1) stay packed."""
+    q_ = gguf.GGMLQuantizationType
+    path = write_gguf(hf_model("llama"), tmp_path / "q41.gguf", qtype=q_.Q4_1, types={"blk.0.ffn_down.weight": q_.Q5_0})
     res = zlc.compile(path, targets=["a10", "cpu"], out=tmp_path / "x.zlc", max_seq=64, verify=False,
                       stop_after="quantize")
     q = res.build.quantization
-    assert q["packed"] == 0 and "Triton kernel (a10)" in q["dense"]["blk.0.ffn_down.weight"]
-    assert all(v.quant is None for v in res.build.lowered.decode.consts.values())
+    assert "q5_0 dequantized: the Triton kernel (a10)" in q["dense"]["blk.0.ffn_down.weight"]
+    assert q["formats"] == {"q4_1": q["packed"]} and q["tensors"]["blk.0.ffn_up.weight"] == "q4_1"
+    consts = res.build.lowered.decode.consts.values()
+    assert [v.name for v in consts if v.name.endswith("ffn_down.weight") and v.quant is None] == ["blk.0.ffn_down.weight"]

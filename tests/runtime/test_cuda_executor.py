@@ -147,15 +147,15 @@ def _pointers(params: list[dict[str, Any]]) -> dict[str, int]:
 def test_pack_params_in_manifest_order(manifest: dict[str, Any], target: str) -> None:
     params = manifest["targets"][target]["params"]
     names = [p["name"] for p in params]
-    assert names[:8] == manifest["kernel"]["params"] == ["TASKS", "DI", "DF", "CTRL", "CNT", "W", "P", "A"]
-    assert names[8:] == ["global_scratch", "profile_scratch"]
-    assert all(p.get("hidden") for p in params[8:])
+    assert names[:9] == manifest["kernel"]["params"] == ["TASKS", "DI", "DF", "CTRL", "CNT", "W", "Q", "P", "A"]
+    assert names[9:] == ["global_scratch", "profile_scratch"]
+    assert all(p.get("hidden") for p in params[9:])
     ptrs = _pointers(params)
     packed = zl.pack_params(params, dict(reversed(list(ptrs.items()))))  # dict order does not matter
-    assert packed.names == tuple(names) and len(packed) == 10
-    # what cuLaunchKernel reads: void*[10], each pointing at one 8-byte value, in manifest order
-    arr = (ctypes.c_void_p * 10).from_address(packed.address)
-    got = [ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i in range(10)]
+    assert packed.names == tuple(names) and len(packed) == 11
+    # what cuLaunchKernel reads: void*[11], each pointing at one 8-byte value, in manifest order
+    arr = (ctypes.c_void_p * 11).from_address(packed.address)
+    got = [ctypes.c_uint64.from_address(int(arr[i] or 0)).value for i in range(11)]
     assert got == [ptrs[n] for n in names]
     assert packed.as_dict() == ptrs
 
