@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import write_program_bundle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from megakernel_checks import ATOL, Built, gpu_like
@@ -97,7 +96,7 @@ def test_triton_kernel_streams_blocks_on_the_cpu_tiling(packed: tuple[Path, Any]
         s.close()
 
 
-def test_triton_kernel_streams_blocks_with_the_gpu_shape_of_work(packed: tuple[Path, Any],
+def test_triton_kernel_streams_blocks_with_the_gpu_shape_of_work(packed: tuple[Path, Any], program_bundle: Any,
                                                                  tmp_path: Path) -> None:
     """16 columns per task, split-KV merged by the packed o projection as it loads its row, the MLP
     down left unfused (its weights are packed), rows of 2 and 4 blocks in steps of 8 (masked)."""
@@ -108,7 +107,7 @@ def test_triton_kernel_streams_blocks_with_the_gpu_shape_of_work(packed: tuple[P
     graphs = {"decode": res.build.lowered.decode}
     program = schedule(graphs["decode"], gpu_like(block_k=64, fuse_mlp_down=True), b.max_seq)
     assert any(k.endswith(".merged") for k in program.desc_labels)
-    path = write_program_bundle(out, tmp_path / "gpu-like.zlc", program)
+    path = program_bundle(out, tmp_path / "gpu-like.zlc", program)
     s = Built(path, None).session()
     try:
         errs, got, exp = _run(s, b.session("reference"), steps=2)
