@@ -476,8 +476,8 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
     rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
             "| TTFT p50 / zlc bf16 | tok/s p50 / zlc bf16 | answer = zlc f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ENGINES:
-        r = results.get(name) or {"skipped": "not run"}
+    for name in (e for e in ENGINES if e in results):  # the engines this run asked for
+        r = results[name]
         if "skipped" in r:
             rows.append(f"| {name} | {wdt[name]} | skipped: {r['skipped']} | | | | | | | |")
             continue
@@ -524,7 +524,7 @@ def same_file_table(results: dict[str, Any], bw: dict[str, float | None], thread
                 f"{floor:.0f} tok/s" if floor else "-", f"{tps / floor:.0%}" if floor else "-",
                 f"{r['session_start_s']:.2f} s" if "session_start_s" in r else "-",
                 f"{r['rss_mb']:.0f} MB" if "rss_mb" in r else "-", f"{comp:.0f} s" if comp else "-"]) + " |")
-    return "\n".join(rows)
+    return "\n".join(rows) if len(rows) > 2 else "(no GGUF file ran on both zlc and llama.cpp)"
 
 
 def main() -> None:
