@@ -491,7 +491,7 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
                  f"{nbytes / 1e6:.0f} MB" if nbytes else "-",
                  f"{floor:.0f} tok/s" if floor else "-", f"{tps / floor:.0%} ({best / floor:.0%})" if floor else "-",
                  f"{ttft / zt:.2f}" if zt else "-", f"{tps / zs:.2f}" if zs else "-",
-                 "yes" if _same_answer(r.get("tokens"), f32.get("tokens")) else "no"]
+                 ("yes" if _same_answer(r.get("tokens"), f32.get("tokens")) else "no") if f32.get("tokens") else "-"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
