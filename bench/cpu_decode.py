@@ -28,7 +28,8 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   default accuracy_level 4), CPU provider, intra-op threads N;
 - llama.cpp: llama-cpp-python (built from source, see docs/performance.md) on the GGUF itself
   (Q4_1: the file the other engines' weights were dequantized from), n_threads N; llama.cpp-q8_0
-  on the Q8_0 file zlc-gguf-q8_0 reads.
+  on the Q8_0 file zlc-gguf-q8_0 reads; zlc-gguf-q4_k_m / llama.cpp-q4_k_m on the Q4_K_M file
+  llama.cpp's quantizer makes (gguf_file: mostly Q5_0, SmolLM2's widths being no K-quant's).
 
 Every engine gets the same prompt ids (the bundle's chat template) and decodes 64 tokens past EOS
 (onnxruntime-genai with min_length, the others by feeding tokens back); "answer = zlc f32" says
@@ -65,14 +66,17 @@ from pathlib import Path
 from typing import Any
 
 NEW_TOKENS = 64
-ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-gguf-q8_0", "zlc-nbits4",
-           "transformers", "ort-genai", "ort-genai-int4", "llama.cpp", "llama.cpp-q8_0")
+ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-gguf-q8_0", "zlc-gguf-q4_k_m",
+           "zlc-nbits4", "transformers", "ort-genai", "ort-genai-int4", "llama.cpp", "llama.cpp-q8_0",
+           "llama.cpp-q4_k_m")
 # zlc engine -> (weight dtype, --quantize; "gguf:FORMAT": the GGUF file of that format itself)
 ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
        "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf:q4_1"),
-       "zlc-gguf-q8_0": ("bf16", "gguf:q8_0"), "zlc-nbits4": ("bf16", "nbits4")}
+       "zlc-gguf-q8_0": ("bf16", "gguf:q8_0"), "zlc-gguf-q4_k_m": ("bf16", "gguf:q4_k_m"),
+       "zlc-nbits4": ("bf16", "nbits4")}
 # the engines that read a GGUF file, by the file's format; zlc and llama.cpp on one file are compared
-GGUF_ENGINES = {"zlc-gguf": "q4_1", "zlc-gguf-q8_0": "q8_0", "llama.cpp": "q4_1", "llama.cpp-q8_0": "q8_0"}
+GGUF_ENGINES = {"zlc-gguf": "q4_1", "zlc-gguf-q8_0": "q8_0", "zlc-gguf-q4_k_m": "q4_k_m", "llama.cpp": "q4_1",
+                "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_k_m": "q4_k_m"}
 
 
 # ---- machine bandwidth -----------------------------------------------------------------------------
@@ -139,8 +143,11 @@ Engine = tuple[Callable[[], int], Callable[[int], int], dict[str, Any]]
 
 
 def gguf_file(workdir: Path, fmt: str) -> Path:
-    """SmolLM2's GGUF in `fmt`: the shipped Q4_1 file, or the Q8_0 file requantized from it once
-    into `workdir` (written under a temporary name, then renamed: a half-written file never counts)."""
+    """SmolLM2's GGUF in `fmt`: the shipped Q4_1 file, the Q8_0 file requantized from it by gguf, or
+    the Q4_K_M file llama.cpp's own quantizer makes from its f32 twin (llama_model_quantize; SmolLM2's
+    576 columns are not whole 256-value super-blocks, so llama.cpp falls back for most matrices:
+    166 Q5_0, 16 Q4_K, 14 Q6_K, 15 Q8_0). Made once into `workdir` (under a temporary name, then
+    renamed: a half-written file never counts)."""
     import gguf
 
     from zlc.testing import zoo
@@ -150,10 +157,23 @@ def gguf_file(workdir: Path, fmt: str) -> Path:
     if fmt == "q4_1":
         return src
     out = workdir / src.name.replace(".Q4_1.", f".{fmt.upper()}.")
-    if not out.is_file():
-        tmp = out.with_suffix(".part")
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(".part")
+    if fmt == "q4_k_m":
+        import ctypes
+
+        import llama_cpp
+
+        f32 = requantize_gguf(src, workdir / "f32.part", gguf.GGMLQuantizationType.F32)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp's quantizer failed on {f32}")
+        f32.unlink()
+    else:
         requantize_gguf(src, tmp, gguf.GGMLQuantizationType[fmt.upper()])
-        tmp.rename(out)
+    tmp.rename(out)
     return out
 
 
@@ -367,7 +387,8 @@ def child(engine: str, workdir: Path, threads: int) -> None:
 
 
 _NEEDS = {"transformers": "transformers", "ort-genai": "onnxruntime_genai", "ort-genai-int4": "onnxruntime_genai",
-          "zlc-nbits4": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-q8_0": "llama_cpp"}
+          "zlc-nbits4": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-q8_0": "llama_cpp",
+          "llama.cpp-q4_k_m": "llama_cpp", "zlc-gguf-q4_k_m": "llama_cpp"}  # its file is llama.cpp's quantizer's
 
 
 class Child:
@@ -471,7 +492,8 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
            "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)", "zlc-gguf-q8_0": "the Q8_0 GGUF's Q8_0",
            "zlc-nbits4": "genai's int4 (nbits4_b32)", "transformers": "f32", "ort-genai": "f32",
-           "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1", "llama.cpp-q8_0": "Q8_0"}
+           "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1", "llama.cpp-q8_0": "Q8_0",
+           "zlc-gguf-q4_k_m": "llama.cpp's Q4_K_M mix", "llama.cpp-q4_k_m": "Q4_K_M mix"}
     zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
     rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
@@ -505,7 +527,7 @@ def same_file_table(results: dict[str, Any], bw: dict[str, float | None], thread
     kv = int(next((r.get("kv_bytes_per_token") for r in results.values() if r.get("kv_bytes_per_token")), 0)) * 70
     rows = ["| file | engine | TTFT p50 | decode p50 | zlc / llama.cpp tok/s | llama.cpp / zlc TTFT | bytes/step "
             "| floor | of floor | session start | RSS | compile from GGUF |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for fmt in ("q4_1", "q8_0"):
+    for fmt in ("q4_1", "q8_0", "q4_k_m"):
         z = results.get(next(e for e, f in GGUF_ENGINES.items() if f == fmt and e in ZLC)) or {}
         ll = results.get(next(e for e, f in GGUF_ENGINES.items() if f == fmt and e not in ZLC)) or {}
         if "tok_s" not in z or "tok_s" not in ll:
