@@ -15,6 +15,10 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   (Linear matrices and the LM head's copy in GGUF Q8_0 / Q4_0 / Q4_1 blocks, the embedding bf16);
 - zlc native gguf: `zlc compile SmolLM2-135M-Instruct.Q4_1.gguf --dtype bf16`, the file's own
   blocks (Q4_1 matrices, the tied head streaming the Q8_0 embedding's blocks, the embedding bf16);
+  zlc-gguf-q8_0 the same on SmolLM2-135M-Instruct.Q8_0.gguf, written once into --workdir from the
+  Q4_1 file (zlc.testing.gguf_files.requantize_gguf: every block tensor dequantized by gguf and
+  quantized to Q8_0 by gguf's quantizer, the metadata copied; the same weights, one file that zlc
+  and llama.cpp both read);
 - zlc native nbits4: `zlc compile --dtype bf16` of onnxruntime-genai's `-p int4` build of the same
   weights (its MatMulNBits int4 blocks of 32 kept packed as nbits4_b32, the embedding bf16);
 - transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
@@ -23,7 +27,9 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   model saved as a Hugging Face folder; `-p fp32` / `-p int4`: MatMulNBits, block 32, its CPU
   default accuracy_level 4), CPU provider, intra-op threads N;
 - llama.cpp: llama-cpp-python (built from source, see docs/performance.md) on the GGUF itself
-  (Q4_1: the file the other engines' weights were dequantized from), n_threads N.
+  (Q4_1: the file the other engines' weights were dequantized from), n_threads N; llama.cpp-q8_0
+  on the Q8_0 file zlc-gguf-q8_0 reads; zlc-gguf-q4_k_m / llama.cpp-q4_k_m on the Q4_K_M file
+  llama.cpp's quantizer makes (gguf_file: mostly Q5_0, SmolLM2's widths being no K-quant's).
 
 Every engine gets the same prompt ids (the bundle's chat template) and decodes 64 tokens past EOS
 (onnxruntime-genai with min_length, the others by feeding tokens back); "answer = zlc f32" says
@@ -36,7 +42,12 @@ roofline, plus the f32 KV cache at ~70 positions; llama.cpp: the GGUF's size) ov
 read bandwidth, measured here with a small C reader (one thread, and --threads threads; before and
 after the engines, the better of the two: a busy neighbour only ever lowers it). "of floor"
 is the engine's tok/s over the floor's tok/s at the --threads bandwidth. Ratios are peer / zlc bf16
-(TTFT: > 1 means zlc is faster; tok/s: < 1 means zlc is faster).
+(TTFT: > 1 means zlc is faster; tok/s: < 1 means zlc is faster). With --markdown a second table
+sets zlc beside llama.cpp on each GGUF file both ran: zlc's tok/s over llama.cpp's (> 1: zlc
+decodes faster), llama.cpp's TTFT over zlc's (> 1: zlc answers sooner), the session start (zlc:
+`session()`; llama.cpp: `Llama()`, the file loaded), the resident set after the rounds (VmRSS:
+weights mapped from the file count once touched), and the compile time from the GGUF when this
+run compiled the bundle.
 """
 
 from __future__ import annotations
@@ -55,12 +66,17 @@ from pathlib import Path
 from typing import Any
 
 NEW_TOKENS = 64
-ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-nbits4", "transformers",
-           "ort-genai", "ort-genai-int4", "llama.cpp")
-# zlc engine -> (weight dtype, --quantize)
+ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-gguf-q8_0", "zlc-gguf-q4_k_m",
+           "zlc-nbits4", "transformers", "ort-genai", "ort-genai-int4", "llama.cpp", "llama.cpp-q8_0",
+           "llama.cpp-q4_k_m")
+# zlc engine -> (weight dtype, --quantize; "gguf:FORMAT": the GGUF file of that format itself)
 ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
-       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf"),
+       "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf:q4_1"),
+       "zlc-gguf-q8_0": ("bf16", "gguf:q8_0"), "zlc-gguf-q4_k_m": ("bf16", "gguf:q4_k_m"),
        "zlc-nbits4": ("bf16", "nbits4")}
+# the engines that read a GGUF file, by the file's format; zlc and llama.cpp on one file are compared
+GGUF_ENGINES = {"zlc-gguf": "q4_1", "zlc-gguf-q8_0": "q8_0", "zlc-gguf-q4_k_m": "q4_k_m", "llama.cpp": "q4_1",
+                "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_k_m": "q4_k_m"}
 
 
 # ---- machine bandwidth -----------------------------------------------------------------------------
@@ -126,28 +142,75 @@ def read_bandwidth(threads: int, nbytes: int = 1 << 29, reps: int = 7) -> float 
 Engine = tuple[Callable[[], int], Callable[[int], int], dict[str, Any]]
 
 
+def gguf_file(workdir: Path, fmt: str) -> Path:
+    """SmolLM2's GGUF in `fmt`: the shipped Q4_1 file, the Q8_0 file requantized from it by gguf, or
+    the Q4_K_M file llama.cpp's own quantizer makes from its f32 twin (llama_model_quantize; SmolLM2's
+    576 columns are not whole 256-value super-blocks, so llama.cpp falls back for most matrices:
+    166 Q5_0, 16 Q4_K, 14 Q6_K, 15 Q8_0). Made once into `workdir` (under a temporary name, then
+    renamed: a half-written file never counts)."""
+    import gguf
+
+    from zlc.testing import zoo
+    from zlc.testing.gguf_files import requantize_gguf
+
+    src = zoo.smollm2_gguf_path()
+    if fmt == "q4_1":
+        return src
+    out = workdir / src.name.replace(".Q4_1.", f".{fmt.upper()}.")
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(".part")
+    if fmt == "q4_k_m":
+        import ctypes
+
+        import llama_cpp
+
+        f32 = requantize_gguf(src, workdir / "f32.part", gguf.GGMLQuantizationType.F32)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp's quantizer failed on {f32}")
+        f32.unlink()
+    else:
+        requantize_gguf(src, tmp, gguf.GGMLQuantizationType[fmt.upper()])
+    tmp.rename(out)
+    return out
+
+
 def _bundle(workdir: Path, dtype: str, quantize: str | None = None) -> Path:
     import zlc
     from zlc.testing import zoo
 
     out = workdir / (f"smollm2-{dtype}.zlc" if quantize is None else f"smollm2-{quantize.replace(':', '-')}.zlc")
-    if quantize == "gguf" and not (out / "manifest.json").is_file():  # the file itself: its blocks
-        zlc.compile(zoo.smollm2_gguf_path(), targets=["cpu"], dtype=dtype, max_seq=512, out=out, verify=False,
-                    name="smollm2")
-    elif quantize == "nbits4" and not (out / "manifest.json").is_file():  # genai's MatMulNBits blocks
+    if (out / "manifest.json").is_file():
+        return out
+    t0 = time.perf_counter()
+    if quantize is not None and quantize.startswith("gguf:"):  # the file itself: its blocks
+        zlc.compile(gguf_file(workdir, quantize.split(":")[1]), targets=["cpu"], dtype=dtype, max_seq=512, out=out,
+                    verify=False, name="smollm2")
+    elif quantize == "nbits4":  # genai's MatMulNBits blocks
         zlc.compile(_genai_model(workdir, "int4") / "model.onnx", targets=["cpu"], dtype=dtype, max_seq=512,
                     tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2")
-    elif not (out / "manifest.json").is_file():
+    else:
         zlc.compile(zoo.cached_smollm2(), targets=["cpu"], dtype=dtype, max_seq=512,
                     tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2", quantize=quantize)
+    times = workdir / "compile_s.json"  # read back by the table (a later run finds the bundle cached)
+    done = json.loads(times.read_text()) if times.is_file() else {}
+    done[out.name] = round(time.perf_counter() - t0, 1)
+    times.write_text(json.dumps(done, indent=1))
     return out
 
 
 def prompt_ids(workdir: Path) -> list[int]:
-    import zlc
+    """The chat prompt's ids by the GGUF's tokenizer and chat template, as every bundle holds them
+    (a folder written once, so that no engine needs another engine's bundle for its prompt)."""
+    from zlc.runtime.tokenizer import BundleTokenizer, bundle_tokenizer
     from zlc.testing import zoo
 
-    return list(zlc.load(_bundle(workdir, "bf16")).tokenizer.encode_chat(zoo.SMOLLM2_PROMPT))
+    folder = workdir / "tokenizer"
+    if not (folder / "tokenizer_config.json").is_file():
+        bundle_tokenizer(zoo.smollm2_gguf_path(), folder)
+    return list(BundleTokenizer(folder).encode_chat(zoo.SMOLLM2_PROMPT))
 
 
 def setup_zlc(workdir: Path, engine: str, ids: list[int], threads: int) -> Engine:
@@ -268,14 +331,14 @@ def setup_genai(workdir: Path, ids: list[int], threads: int, precision: str = "f
     return prefill, lambda tok: nxt(), info
 
 
-def setup_llama_cpp(workdir: Path, ids: list[int], threads: int) -> Engine:
+def setup_llama_cpp(workdir: Path, engine: str, ids: list[int], threads: int) -> Engine:
     from llama_cpp import Llama
 
-    from zlc.testing.smollm2 import smollm2_gguf_path
-
-    gguf = smollm2_gguf_path()
+    gguf = gguf_file(workdir, GGUF_ENGINES[engine])
+    t0 = time.perf_counter()
     llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False)
+    start = time.perf_counter() - t0
     state: dict[str, Any] = {}
 
     def prefill() -> int:
@@ -283,7 +346,8 @@ def setup_llama_cpp(workdir: Path, ids: list[int], threads: int) -> Engine:
         state["gen"] = llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)
         return int(next(state["gen"]))
 
-    return prefill, lambda tok: int(next(state["gen"])), {"weight_bytes": gguf.stat().st_size}
+    return prefill, lambda tok: int(next(state["gen"])), {"weight_bytes": gguf.stat().st_size,
+                                                          "session_start_s": round(start, 3)}
 
 
 def setup(engine: str, workdir: Path, threads: int) -> Engine:
@@ -292,8 +356,17 @@ def setup(engine: str, workdir: Path, threads: int) -> Engine:
         return setup_zlc(workdir, engine, ids, threads)
     if engine == "ort-genai-int4":
         return setup_genai(workdir, ids, threads, "int4")
-    return {"transformers": setup_transformers, "ort-genai": setup_genai,
-            "llama.cpp": setup_llama_cpp}[engine](workdir, ids, threads)
+    if engine.startswith("llama.cpp"):
+        return setup_llama_cpp(workdir, engine, ids, threads)
+    return {"transformers": setup_transformers, "ort-genai": setup_genai}[engine](workdir, ids, threads)
+
+
+def rss_mb() -> float:
+    """This process's resident set now (VmRSS), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1e3
+    return 0.0
 
 
 def child(engine: str, workdir: Path, threads: int) -> None:
@@ -310,11 +383,12 @@ def child(engine: str, workdir: Path, threads: int) -> None:
             seq.append(step(seq[-1]))
         t2 = time.perf_counter()
         print(json.dumps({"ttft_ms": round((t1 - t0) * 1e3, 2), "tok_s": round(NEW_TOKENS / (t2 - t1), 2),
-                          "tokens": seq[:16]}), flush=True)
+                          "tokens": seq[:16], "rss_mb": round(rss_mb(), 1)}), flush=True)
 
 
 _NEEDS = {"transformers": "transformers", "ort-genai": "onnxruntime_genai", "ort-genai-int4": "onnxruntime_genai",
-          "zlc-nbits4": "onnxruntime_genai", "llama.cpp": "llama_cpp"}
+          "zlc-nbits4": "onnxruntime_genai", "llama.cpp": "llama_cpp", "llama.cpp-q8_0": "llama_cpp",
+          "llama.cpp-q4_k_m": "llama_cpp", "zlc-gguf-q4_k_m": "llama_cpp"}  # its file is llama.cpp's quantizer's
 
 
 class Child:
@@ -368,6 +442,7 @@ class Child:
             self.result["ttft_ms"].append(r["ttft_ms"])
             self.result["tok_s"].append(r["tok_s"])
             self.result["tokens"] = r["tokens"]
+            self.result["rss_mb"] = r["rss_mb"]
 
     def close(self) -> None:
         if self.proc is not None:
@@ -415,14 +490,16 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     kv = int(z.get("kv_bytes_per_token") or f32.get("kv_bytes_per_token") or 0) * 70  # ~70 positions
     bwn = bw.get(f"threads_{threads}") or 0.0
     wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
-           "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)", "zlc-nbits4": "genai's int4 (nbits4_b32)",
-           "transformers": "f32", "ort-genai": "f32", "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1"}
+           "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)", "zlc-gguf-q8_0": "the Q8_0 GGUF's Q8_0",
+           "zlc-nbits4": "genai's int4 (nbits4_b32)", "transformers": "f32", "ort-genai": "f32",
+           "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1", "llama.cpp-q8_0": "Q8_0",
+           "zlc-gguf-q4_k_m": "llama.cpp's Q4_K_M mix", "llama.cpp-q4_k_m": "Q4_K_M mix"}
     zt = statistics.median(z["ttft_ms"]) if "ttft_ms" in z else None
     zs = statistics.median(z["tok_s"]) if "tok_s" in z else None
     rows = ["| engine | weights | TTFT p50 | decode p50 | bytes/token | floor | of floor p50 (best) "
             "| TTFT p50 / zlc bf16 | tok/s p50 / zlc bf16 | answer = zlc f32 |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ENGINES:
-        r = results.get(name) or {"skipped": "not run"}
+    for name in (e for e in ENGINES if e in results):  # the engines this run asked for
+        r = results[name]
         if "skipped" in r:
             rows.append(f"| {name} | {wdt[name]} | skipped: {r['skipped']} | | | | | | | |")
             continue
@@ -436,9 +513,40 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
                  f"{nbytes / 1e6:.0f} MB" if nbytes else "-",
                  f"{floor:.0f} tok/s" if floor else "-", f"{tps / floor:.0%} ({best / floor:.0%})" if floor else "-",
                  f"{ttft / zt:.2f}" if zt else "-", f"{tps / zs:.2f}" if zs else "-",
-                 "yes" if _same_answer(r.get("tokens"), f32.get("tokens")) else "no"]
+                 ("yes" if _same_answer(r.get("tokens"), f32.get("tokens")) else "no") if f32.get("tokens") else "-"]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def same_file_table(results: dict[str, Any], bw: dict[str, float | None], threads: int,
+                    compile_s: dict[str, float]) -> str:
+    """zlc beside llama.cpp on each GGUF file both ran: medians, their ratios, bytes per step and the
+    floor (each engine's own bytes: zlc's from its roofline, llama.cpp's the file), session start,
+    resident set, zlc's compile time from the file (when this workdir compiled it)."""
+    bwn = bw.get(f"threads_{threads}") or 0.0
+    kv = int(next((r.get("kv_bytes_per_token") for r in results.values() if r.get("kv_bytes_per_token")), 0)) * 70
+    rows = ["| file | engine | TTFT p50 | decode p50 | zlc / llama.cpp tok/s | llama.cpp / zlc TTFT | bytes/step "
+            "| floor | of floor | session start | RSS | compile from GGUF |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fmt in ("q4_1", "q8_0", "q4_k_m"):
+        z = results.get(next(e for e, f in GGUF_ENGINES.items() if f == fmt and e in ZLC)) or {}
+        ll = results.get(next(e for e, f in GGUF_ENGINES.items() if f == fmt and e not in ZLC)) or {}
+        if "tok_s" not in z or "tok_s" not in ll:
+            continue
+        zt, zs = statistics.median(z["ttft_ms"]), statistics.median(z["tok_s"])
+        lt, ls = statistics.median(ll["ttft_ms"]), statistics.median(ll["tok_s"])
+        bundle = f"smollm2-gguf-{fmt}.zlc"
+        for name, r, ttft, tps in (("zlc", z, zt, zs), ("llama.cpp", ll, lt, ls)):
+            nbytes = int(r.get("weight_bytes") or 0) + kv
+            floor = bwn * 1e9 / nbytes if nbytes and bwn else 0.0
+            comp = compile_s.get(bundle) if name == "zlc" else None
+            rows.append("| " + " | ".join([
+                f"SmolLM2 {fmt.upper()}", name + (f" ({r['level']})" if r.get("level") else ""),
+                f"{ttft:.1f} ms", f"{tps:.1f} tok/s", f"{zs / ls:.2f}x" if name == "zlc" else "",
+                f"{lt / zt:.2f}" if name == "zlc" else "", f"{nbytes / 1e6:.0f} MB",
+                f"{floor:.0f} tok/s" if floor else "-", f"{tps / floor:.0%}" if floor else "-",
+                f"{r['session_start_s']:.2f} s" if "session_start_s" in r else "-",
+                f"{r['rss_mb']:.0f} MB" if "rss_mb" in r else "-", f"{comp:.0f} s" if comp else "-"]) + " |")
+    return "\n".join(rows) if len(rows) > 2 else "(no GGUF file ran on both zlc and llama.cpp)"
 
 
 def main() -> None:
@@ -461,18 +569,29 @@ def main() -> None:
     for name in a.engines.split(","):
         if name in ZLC and (name not in _NEEDS or importlib.util.find_spec(_NEEDS[name]) is not None):
             _bundle(a.workdir, *ZLC[name])  # compiled before anything is timed
+    prompt_ids(a.workdir)  # the tokenizer folder, before the children read it
     bw = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
     print(f"read bandwidth: {bw}", file=sys.stderr)
+    load_start = os.getloadavg()  # a shared host: the table's figures are read with these
     results = measure(a.engines.split(","), a.workdir, a.threads, a.rounds, a.pause)
     bw_after = {"threads_1": read_bandwidth(1), f"threads_{a.threads}": read_bandwidth(a.threads)}
     bw = {k: max(v or 0.0, bw_after[k] or 0.0) or None for k, v in bw.items()}  # the better of before/after
     print(f"read bandwidth (best of before and after): {bw}", file=sys.stderr)
+    times = a.workdir / "compile_s.json"
+    compile_s = json.loads(times.read_text()) if times.is_file() else {}
     report = {"threads": a.threads, "rounds": a.rounds, "bandwidth_gbs": bw, "results": results,
+              "compile_s": compile_s, "load_average": {"start": load_start, "end": os.getloadavg()},
               "cpu": next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                            if ln.startswith("model name")), "?")}
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
-    print(table(results, bw, a.threads) if a.markdown else json.dumps(report, indent=1))
+    if a.markdown:
+        print(f"load average (1/5/15 min) at the start {load_start}, at the end {os.getloadavg()}")
+        print(table(results, bw, a.threads))
+        print()
+        print(same_file_table(results, bw, a.threads, compile_s))
+    else:
+        print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

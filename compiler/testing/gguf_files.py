@@ -205,3 +205,52 @@ def write_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None, t
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def requantize_gguf(src: str | Path, dst: str | Path, qtype: Any = None,
+                    fields: dict[str, tuple[Any, Any]] | None = None) -> Path:
+    """`src` (a GGUF) rewritten to `dst` with every block-format tensor in `qtype` (gguf's
+    quantizer on gguf's dequantization of the file's blocks; F32: that dequantization itself; None:
+    the tensors as they are) and everything else as it was: the metadata (tokenizer, chat template)
+    copied, `general.file_type` set to `qtype`'s, `fields` (key -> (value, GGUFValueType), arrays
+    of strings) added or replaced. So two files hold the same weights up to the second rounding
+    (F32: exactly), for benches and oracles of one model in two formats that both zlc and
+    llama.cpp read (a Q8_0 file, or the f32 twin, of the shipped Q4_1 SmolLM2)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    dense = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    w = gguf.GGUFWriter(str(dst), arch)
+    fields = fields or {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == gguf.Keys.General.ARCHITECTURE or field.name in fields or (
+                qtype is not None and field.name == gguf.Keys.General.FILE_TYPE):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    for key, (value, vtype) in fields.items():
+        w.add_key_value(key, value, vtype, sub_type=gguf.GGUFValueType.STRING if vtype == gguf.GGUFValueType.ARRAY
+                        else None)
+    if qtype is not None:
+        w.add_file_type({gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32,
+                         gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+                         gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+                         gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
+    for t in reader.tensors:
+        if t.tensor_type in dense:
+            w.add_tensor(t.name, np.asarray(t.data))
+        elif qtype is None:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        else:
+            f = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+            if qtype == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(t.name, f)
+            else:
+                w.add_tensor(t.name, gguf.quants.quantize(f, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)
