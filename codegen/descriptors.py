@@ -173,7 +173,7 @@ class LinearDesc(Desc):
                  when="route is 0 and copy is 1")
     route_normalize = I(20, "1: top-k weights renormalized to sum 1", when="route is not 0")
     w_format = I(20, "how w and w2 are stored: 0 dense in the W arena (offsets in elements); else a packed "
-                     "format's code (ir/quant.py: 1 q8_0, 2 q4_0, 3 q4_1), offsets in bytes of the Q arena",
+                     "format's code (ir/quant.py: 1 q8_0, 2 q4_0, 3 q4_1, ..., 8 q6_k, 9..15 nbits4_b16..b1024), offsets in bytes of the Q arena",
                  when="route is 0")
     route = I(21, "MoE routing: 0 none, 1 an expert's gate/up, 2 an expert's down")
     down_rows = I(22, "rows of the MLP down fused into these tasks (its output columns), 0 none")
