@@ -1,8 +1,13 @@
 """What the megakernel's tests share across its two executors (tests/codegen: the Triton kernel in
 the interpreter; tests/native: the C kernel): the zoo models, one per architecture switch, the
-prompt and the tolerance against the reference executor, and the wait the negative controls drop."""
+prompt and the tolerance against the reference executor, the decode-equals-prefill check, and the
+wait the negative controls drop."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
 
 from zlc import bundle as fmt
 from zlc.codegen.program import Task
@@ -27,3 +32,15 @@ def guarded_read(tasks: list[Task]) -> tuple[int, int]:
     i = next(k for k, t in enumerate(tasks) if t.op == fmt.OP_ATTENTION)
     w = next(k for k, (e, _) in enumerate(tasks[i].waits) if all(tasks[j].op == fmt.OP_LINEAR for j in sig[e]))
     return i, w
+
+
+def assert_decode_equals_prefill(s: Any, prompt: list[int], split: int, atol: float = ATOL) -> None:
+    """Session `s` prefilling `prompt[:split]` and stepping through the rest gives, at every step,
+    the logits of one prefill of the whole prompt (leaves `s` mid-sequence)."""
+    s.reset()
+    _, whole = s.prefill(prompt, all_logits=True, want_logits=True)
+    s.reset()
+    s.prefill(prompt[:split])
+    for i, t in enumerate(prompt[split:]):
+        _, lg = s.step(t, want_logits=True)
+        np.testing.assert_allclose(lg[0], whole[split + i], atol=atol, rtol=0)

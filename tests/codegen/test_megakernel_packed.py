@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from megakernel_cases import assert_decode_equals_prefill
 from megakernel_checks import ATOL, Built, gpu_like
 
 import zlc
@@ -63,16 +64,6 @@ def _run(s: Any, ref: Any, steps: int = 3) -> tuple[list[float], list[int], list
     return errs, got, exp
 
 
-def _decode_equals_prefill(s: Any) -> None:
-    s.reset()
-    _, whole = s.prefill(PROMPT, all_logits=True, want_logits=True)
-    s.reset()
-    s.prefill(PROMPT[:3])
-    for i, t in enumerate(PROMPT[3:]):
-        _, lg = s.step(t, want_logits=True)
-        np.testing.assert_allclose(lg[0], whole[3 + i], atol=ATOL, rtol=0)
-
-
 def test_gpu_compile_keeps_the_triton_formats_packed(packed: tuple[Path, Any]) -> None:
     _, res = packed
     q = res.manifest["quantization"]
@@ -93,7 +84,7 @@ def test_triton_kernel_streams_blocks_on_the_cpu_tiling(packed: tuple[Path, Any]
         errs, got, exp = _run(s, ref)
         assert max(errs) <= ATOL, errs
         assert got == exp
-        _decode_equals_prefill(s)
+        assert_decode_equals_prefill(s, PROMPT, 3)
     finally:
         s.close()
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from megakernel_cases import assert_decode_equals_prefill
 from native_helpers import Built, assert_matches, run_both
 
 import zlc
@@ -75,13 +76,7 @@ def test_every_format_streams_and_matches_the_reference(mixed: tuple[Path, Path,
             ref.reset()
             assert_matches(run_both(s, ref, PROMPT, steps=4))
             if level == levels[-1]:  # decode equals prefill on the in-stream dequantizing bodies
-                s.reset()
-                _, whole = s.prefill(PROMPT, all_logits=True, want_logits=True)
-                s.reset()
-                s.prefill(PROMPT[:3])
-                for i, t in enumerate(PROMPT[3:]):
-                    _, lg = s.step(t, want_logits=True)
-                    assert np.abs(lg[0] - whole[3 + i]).max() <= 1e-4
+                assert_decode_equals_prefill(s, PROMPT, 3)
         finally:
             s.close()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from megakernel_cases import assert_decode_equals_prefill
 from native_helpers import Built, assert_matches, run_both
 
 import zlc
@@ -77,13 +78,7 @@ def test_an_untied_packed_table_matches_the_reference(untied: tuple[Path, Path, 
                 ref.reset()
                 assert_matches(run_both(s, ref, PROMPT, steps=4), atol=1e-4)
                 if level == levels[-1] and mapped is None:  # decode equals prefill
-                    s.reset()
-                    _, whole = s.prefill(PROMPT, all_logits=True, want_logits=True)
-                    s.reset()
-                    s.prefill(PROMPT[:3])
-                    for i, t in enumerate(PROMPT[3:]):
-                        _, lg = s.step(t, want_logits=True)
-                        assert np.abs(lg[0] - whole[3 + i]).max() <= 1e-4
+                    assert_decode_equals_prefill(s, PROMPT, 3)
             finally:
                 s.close()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from megakernel_cases import assert_decode_equals_prefill
 from native_helpers import PROMPT, Built, assert_matches, run_both, tsan_build
 
 import zlc
@@ -47,13 +48,7 @@ def test_prompt_longer_than_a_chunk_and_decode_equals_prefill(built: Callable[..
     ref = zlc.load(b.path).session("reference")
     with b.session(threads=3) as s:
         assert_matches(run_both(s, ref, prompt, steps=3))
-        s.reset()
-        _, whole = s.prefill(prompt, all_logits=True, want_logits=True)
-        s.reset()
-        s.prefill(prompt[:30])
-        for i, t in enumerate(prompt[30:]):
-            _, lg = s.step(t, want_logits=True)
-            assert np.abs(lg[0] - whole[30 + i]).max() <= 1e-4
+        assert_decode_equals_prefill(s, prompt, 30)
 
 
 def test_bundle_holds_ggufs_blocks_and_the_roofline_counts_them(built: Callable[..., Built]) -> None:
