@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M-Instruct with real weights, offline: compile the shipped GGUF file directly (no ONNX
 # detour: weights, tokenizer and chat template from the file) for a10 and h100 (sm_86 and sm_90
-# cubins, bf16 weights, and the native CPU kernel), then ask it a question with the megakernel on
+# cubins, the file's 4-bit blocks, and the native CPU kernel), then ask it a question with the megakernel on
 # the CPU: `--device auto` runs the native kernel on a machine without a GPU (the answer takes well
 # under a second once compiled). `DEVICE=interpret` runs the Triton source in Triton's interpreter
 # instead (several minutes). `ROUTE=onnx` takes the older route: transformers dequantizes the GGUF,
