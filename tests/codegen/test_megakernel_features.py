@@ -21,6 +21,7 @@ from zlc import bundle as fmt
 from zlc.codegen import program as pg
 from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen.emit import Features, render
+from zlc.ir.quant import FORMATS
 
 # Code that exists only for one feature: a model without it must compile none of it.
 MARKERS: dict[str, list[str]] = {
@@ -39,7 +40,7 @@ MARKERS: dict[str, list[str]] = {
 }
 ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
 NAMES = {code: name for name, code in pg.ACTIVATIONS.items()}
-FLAGS = [f.name for f in fields(Features) if f.name != "activations"]
+FLAGS = [f.name for f in fields(Features) if f.name not in ("activations", "packed")]  # the bool features
 Fields = dict[str, float]
 
 
@@ -154,9 +155,11 @@ def test_features_are_the_union_over_programs_modes_and_activations() -> None:
 
 
 def test_every_combination_renders_valid_python() -> None:
-    every = _program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)))
+    packed = [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.triton]
+    every = _program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)), *packed)
     f = Features.of([every])
     assert all(getattr(f, n) for n in FLAGS) and f.activations == (1, 2)
+    assert f.packed == tuple(sorted(d["w_format"] for _, d in packed)) and f.flags()["HAS_PACKED"]
     _check_source(_source(every), f)
 
 

@@ -191,6 +191,7 @@ til = man["tilings"]["cpu"]
 lay, grid = til["layout"], int(til["grid"])
 w = load_file(f"{root}/{man['weights']['file']}")
 W, P = w["W"].float(), w["P"]
+Q = torch.zeros(64, dtype=torch.uint8)  # the packed weights' arena: the tiny model has none
 t = load_file(f"{root}/{til['tables']}")
 TASKS, DI, DF = t["tasks"], t["desc_int"], t["desc_float"]
 off = tr.trace_offset(int(TASKS[4]))
@@ -203,7 +204,7 @@ def launch(mode, ids, past, trace=0, debug=0, tasks=TASKS):
     CTRL[fmt.CTRL_MODE], CTRL[fmt.CTRL_T], CTRL[fmt.CTRL_PAST] = mode, len(ids), past
     CTRL[fmt.CTRL_TOKENS:fmt.CTRL_TOKENS + len(ids)] = torch.tensor(ids, dtype=torch.int32)
     CNT[off:] = 0
-    fn[(grid,)](tasks, DI, DF, CTRL, CNT, W, P, A, **dict(til["constexprs"], DEBUG=debug), STEP=mode, TRACE=trace)
+    fn[(grid,)](tasks, DI, DF, CTRL, CNT, W, Q, P, A, **dict(til["constexprs"], DEBUG=debug), STEP=mode, TRACE=trace)
     lg = man["tilings"]["cpu"]["layout"]["logits"]
     return int(CTRL[fmt.CTRL_OUT_TOKEN]), A[lg["offset"]:lg["offset"] + lg["cols"]].clone()
 
