@@ -1,7 +1,7 @@
 """What the megakernel's tests share across its two executors (tests/codegen: the Triton kernel in
 the interpreter; tests/native: the C kernel): the zoo models, one per architecture switch, the
-prompt and the tolerance against the reference executor, the decode-equals-prefill check, and the
-wait the negative controls drop."""
+prompt and the tolerance against the reference executor, the decode-equals-prefill check, a
+request's greedy logits run alone (the batch tests' oracle), and the wait the negative controls drop."""
 
 from __future__ import annotations
 
@@ -44,3 +44,17 @@ def assert_decode_equals_prefill(s: Any, prompt: list[int], split: int, atol: fl
     for i, t in enumerate(prompt[split:]):
         _, lg = s.step(t, want_logits=True)
         np.testing.assert_allclose(lg[0], whole[split + i], atol=atol, rtol=0)
+
+
+def greedy_logits(s: Any, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """Session `s` (a MegakernelSession) run on `prompt` alone: [vocab] logits after the prompt,
+    then after each of `steps` greedy tokens."""
+    s.reset()
+    _, lg = s.prefill(prompt, want_logits=True)
+    assert lg is not None
+    out = [lg[-1]]
+    for _ in range(steps):
+        _, lg = s.step(int(np.argmax(out[-1])), want_logits=True)
+        assert lg is not None
+        out.append(lg[0])
+    return out

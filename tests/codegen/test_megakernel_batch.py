@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from megakernel_cases import greedy_logits
 from megakernel_checks import ATOL, Built
 
 from zlc.errors import ZlcError
@@ -52,15 +53,7 @@ class KernelAlone(ReferenceAlone):
         self.s = b.session()
 
     def logits(self, prompt: list[int], steps: int) -> list[np.ndarray]:
-        self.s.reset()
-        _, lg = self.s.prefill(prompt, want_logits=True)
-        assert lg is not None
-        out = [lg[-1]]
-        for _ in range(steps):
-            _, lg = self.s.step(int(np.argmax(out[-1])), want_logits=True)
-            assert lg is not None
-            out.append(lg[0])
-        return out
+        return greedy_logits(self.s, prompt, steps)
 
 
 @pytest.fixture(scope="module")

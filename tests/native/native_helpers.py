@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from megakernel_cases import ATOL, MODELS, PROMPT
+from megakernel_cases import ATOL, MODELS, PROMPT, greedy_logits
 
 __all__ = ["ATOL", "MODELS", "PROMPT", "Built", "assert_matches", "run_both", "tsan_build", "write_native_bundle"]
 
@@ -129,15 +129,7 @@ class Alone:
         """[vocab] logits after the prompt, then after each of `steps` greedy tokens."""
         key = (tuple(prompt), steps)
         if key not in self.memo:
-            self.s.reset()
-            _, lg = self.s.prefill(prompt, want_logits=True)
-            assert lg is not None
-            out = [lg[-1]]
-            for _ in range(steps):
-                _, lg = self.s.step(int(np.argmax(out[-1])), want_logits=True)
-                assert lg is not None
-                out.append(lg[0])
-            self.memo[key] = out
+            self.memo[key] = greedy_logits(self.s, prompt, steps)
         return self.memo[key]
 
     def close(self) -> None:
