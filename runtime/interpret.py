@@ -108,10 +108,27 @@ def _fast_device_calls() -> None:
     cls._zlc_fast = True
 
 
+def _check_frontend(bundle: Path, tiling: str, debug: bool) -> None:
+    """Triton's compiler frontend over the kernel, for both launch kinds, with the constants this
+    session launches it with (runtime/triton_frontend.py: the interpreter runs what the compiler
+    may reject)."""
+    from zlc.bundle import read_manifest
+
+    from .triton_frontend import check_kernel
+
+    man = read_manifest(bundle)
+    k, tl = man["kernel"], man["tilings"][tiling]
+    if not k.get("signature"):
+        return  # a bundle from before the manifest recorded the kernel's parameter types
+    check_kernel(bundle / k["source"], k["entry"], k["signature"], dict(tl["constexprs"], DEBUG=int(debug)),
+                 [fmt.MODE_PREFILL, fmt.MODE_DECODE])
+
+
 def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str | None,
             kv_pages: tuple[int, int] | None) -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
     try:
+        _check_frontend(Path(bundle), tiling, debug)  # before the interpreter is switched on
+        os.environ["TRITON_INTERPRET"] = "1"
         _fast_device_calls()
         state = _KernelState(Path(bundle), tiling, debug, Path(tables) if tables else None, kv_pages)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it

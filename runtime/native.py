@@ -78,7 +78,10 @@ def host_level(flags: frozenset[str] | None = None, machine: str | None = None) 
 def select_level(native: Mapping[str, Any], *, want: str | None = None, flags: frozenset[str] | None = None,
                  machine: str | None = None) -> str:
     """The best of the bundle's levels this host runs (the manifest lists them best first), or
-    `want` when the host runs it. One-line NativeError naming the bundle's and the host's levels."""
+    `want` when the host runs it; `want` defaults to $ZLC_NATIVE_LEVEL (a switch that forces every
+    session onto one level: a test run at each level checks each summation order). One-line
+    NativeError naming the bundle's and the host's levels."""
+    want = want or os.environ.get("ZLC_NATIVE_LEVEL") or None
     flags = host_cpu_flags() if flags is None else flags
     machine = machine or platform.machine()
     levels: Mapping[str, Any] = native.get("levels") or {}

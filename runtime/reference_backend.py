@@ -25,7 +25,7 @@ from zlc.errors import ZlcError
 from zlc.ir import DType
 from zlc.ir.quant import QuantizedWeight, get_format
 from zlc.ir.text import parse_graph
-from zlc.reference.executor import ReferenceExecutor
+from zlc.reference.executor import ReferenceExecutor, in_f64
 
 # A constant without inline data (`const %name: f32[256, 64]`): its data comes from the arenas.
 # A packed one (`const %name: f32[N, K] q4_0`) is a QuantizedWeight cut out of the Q arena.
@@ -88,11 +88,13 @@ def _packed(bundle: Path, arenas: dict[str, torch.Tensor], pl: dict[str, Any], n
 class ReferenceBackend:
     """`Backend` over a bundle's IR: mode 0 runs the prefill graph, mode 1 the decode graph."""
 
-    def __init__(self, bundle: str | Path, manifest: dict[str, Any]):
+    def __init__(self, bundle: str | Path, manifest: dict[str, Any], *, f64: bool = False):
+        """`f64`: the bundle's IR on its weights computed in f64 (executor.in_f64: the oracle of
+        how far any f32 computation of the bundle must land from exact arithmetic); logits f64."""
         path = Path(bundle)
         texts = [(path / "ir" / f"{m}.zir").read_text() for m in ("prefill", "decode")]
         weights = arena_weights(path, manifest, texts)
-        prefill, decode = (parse_graph(t, weights) for t in texts)
+        prefill, decode = (in_f64(g) if f64 else g for g in (parse_graph(t, weights) for t in texts))
         self._prefill = ReferenceExecutor(prefill)
         self._decode = ReferenceExecutor(decode, state=self._prefill.state)  # one KV cache
         self._ids = prefill.inputs[0].name
@@ -108,7 +110,8 @@ class ReferenceBackend:
         with torch.no_grad():
             out = ex.run({self._ids: torch.tensor([ids], dtype=torch.int64),
                           "past_len": torch.tensor(past, dtype=torch.int64)})
-        rows = out[self._logits][0].float()  # [T, vocab]
+        rows = out[self._logits][0]  # [T, vocab]
+        rows = rows if rows.dtype == torch.float64 else rows.float()
         tok = int(torch.argmax(rows[-1]))  # ties: the lowest id, as the kernel's OUT_TOKEN
         if not want_logits:
             return tok, None

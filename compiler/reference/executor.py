@@ -83,31 +83,46 @@ def in_f32(graph: Graph, *, rounding: Iterable[str] = ()) -> Graph:
     computes (f32 math on half-rounded weights), and the oracle where ONNX Runtime has no kernels.
     The Casts named in `rounding` still round to half (then widen back): tables the model rounds
     before it uses them, such as rotary cos/sin, which a lowered graph holds as half constants."""
+    return _widened(graph, HALF, "f32", rounding)
+
+
+def in_f64(graph: Graph, *, rounding: Iterable[str] = ()) -> Graph:
+    """A copy of `graph` that computes in f64 on the same weights (f32 and half constants widened
+    exactly; `rounding` as in_f32): the same arithmetic as the f32 graph without its rounding
+    errors. The kernels' oracles measure how far an f32 computation of this model must land from
+    it (the reference's own f32 distance), and bound a kernel's distance by a multiple of that:
+    a tolerance derived from the model's summation lengths and magnitudes, not tuned to one CPU's
+    summation order (tests/native/native_helpers.py)."""
+    return _widened(graph, ("f32", *HALF), "f64", rounding)
+
+
+def _widened(graph: Graph, narrow: tuple[str, ...], wide: str, rounding: Iterable[str]) -> Graph:
     from zlc.ir import DType, Node, TensorType, Value
 
+    to = DType(wide)
     g = graph.clone()
     keep = set(rounding)
     held: set[int] = set()
     for n in list(g.nodes):
         if n.name in keep and n.op == "Cast" and n.attrs.get("to") in HALF:
-            wide = Value(g.fresh_name(n.output.name + "_f32"), TensorType(DType.f32, n.output.type.shape), "node")
-            g.replace_uses(n.output, wide)
-            back = Node("Cast", [n.output], [wide], {"to": "f32"}, g.fresh_node_name(n.name + "_f32"))
-            wide.producer = back
+            widened = Value(g.fresh_name(n.output.name + "_" + wide), TensorType(to, n.output.type.shape), "node")
+            g.replace_uses(n.output, widened)
+            back = Node("Cast", [n.output], [widened], {"to": wide}, g.fresh_node_name(n.name + "_" + wide))
+            widened.producer = back
             g.nodes.insert(g.nodes.index(n) + 1, back)
             held.add(id(n))
     for n in g.nodes:
         if id(n) in held:
             continue
         for o in n.outputs:
-            if o.dtype.value in HALF:
-                o.type = TensorType(DType.f32, o.type.shape)
+            if o.dtype.value in narrow:
+                o.type = TensorType(to, o.type.shape)
         for k in ("to", "dtype"):
-            if n.attrs.get(k) in HALF:
-                n.attrs[k] = "f32"
+            if n.attrs.get(k) in narrow:
+                n.attrs[k] = wide
     for v in [*g.inputs, *g.consts.values(), *g.state]:
-        if v.dtype.value in HALF:
-            v.type = TensorType(DType.f32, v.type.shape)
+        if v.dtype.value in narrow:
+            v.type = TensorType(to, v.type.shape)
             if v.data is not None:
-                v.data = torch.as_tensor(v.const_array()).float()
+                v.data = torch.as_tensor(v.const_array()).to(to.torch)
     return g

@@ -412,6 +412,12 @@ def _cumsum(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 
 # ---- transformer-level kernels ----------------------------------------------------------------
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least f32: half inputs are computed in f32 (what the kernels do); an f64 graph
+    (executor.in_f64, the summation-order oracle) stays f64."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 @kernel("Embedding")
 def _embedding(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     w, ids = xs
@@ -421,9 +427,9 @@ def _embedding(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 @kernel("RMSNorm")
 def _rmsnorm(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, w = xs
-    xf = x.float()
+    xf = _wide(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + node.attrs.get("eps", 1e-6))
-    return [(y * w.float()).to(x.dtype)]
+    return [(y * _wide(w)).to(x.dtype)]
 
 
 @kernel("LayerNorm")
@@ -462,7 +468,7 @@ def _gated_mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 
 def moe_routing(node: Node, x: torch.Tensor, w_router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MoE's router: (weights [..., k] in f32, expert indices [..., k]) per token."""
-    probs = torch.softmax(F.linear(x, w_router).float(), dim=-1)
+    probs = torch.softmax(_wide(F.linear(x, w_router)), dim=-1)
     # a stable descending sort: ties go to the lower expert (ONNX TopK; torch.topk's order on ties
     # is unspecified)
     vals, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -479,12 +485,12 @@ def _moe(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     vals, idx = moe_routing(node, x, wr)
     act = node.attrs.get("activation", "silu")
     flat, fv, fi = x.reshape(-1, x.shape[-1]), vals.reshape(-1, vals.shape[-1]), idx.reshape(-1, idx.shape[-1])
-    out = torch.zeros(flat.shape, dtype=torch.float32)
+    out = torch.zeros(flat.shape, dtype=_wide(x).dtype)
     for t in range(flat.shape[0]):  # per token, only its selected experts, in top-k order
         for j in range(fi.shape[1]):
             e = int(fi[t, j])
             y = F.linear(_act(act, F.linear(flat[t], wg[e])) * F.linear(flat[t], wu[e]), wd[e])
-            out[t] += fv[t, j] * y.float()
+            out[t] += fv[t, j] * _wide(y)
     return [out.to(x.dtype).reshape(x.shape)]
 
 
@@ -557,7 +563,7 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
     scale = node.attrs.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * scale
     cap = node.attrs.get("softcap", 0.0)
     if cap:
         s = torch.tanh(s / cap) * cap
@@ -572,7 +578,7 @@ def _attention(node: Node, xs: list[Any]) -> list[torch.Tensor]:
             mask = mask.triu(total - t - window + 1)
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, -1)
-    return [torch.matmul(p, v.float()).to(q.dtype)]
+    return [torch.matmul(p, _wide(v)).to(q.dtype)]
 
 
 # ---- constants -------------------------------------------------------------------------------

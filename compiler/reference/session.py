@@ -11,7 +11,7 @@ import torch
 from zlc.errors import ZlcError
 from zlc.ir import Graph
 
-from .executor import ReferenceExecutor
+from .executor import ReferenceExecutor, in_f64
 from .sampling import sample
 
 
@@ -25,9 +25,12 @@ class ReferenceSession:
         self.length = 0  # tokens in the cache
 
     @classmethod
-    def from_lowered(cls, lowered: Any) -> ReferenceSession:
+    def from_lowered(cls, lowered: Any, *, f64: bool = False) -> ReferenceSession:
+        """`f64`: the same graphs computed in f64 (executor.in_f64: the summation-order oracle)."""
         if lowered.prefill is None or lowered.decode is None:
             raise ZlcError("the model was lowered without a KV cache; nothing to generate with")
+        if f64:
+            return cls(in_f64(lowered.prefill), in_f64(lowered.decode), lowered.max_seq)
         return cls(lowered.prefill, lowered.decode, lowered.max_seq)
 
     def reset(self) -> None:

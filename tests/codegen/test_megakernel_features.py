@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
+from synthetic_programs import ONE, PLAIN, every_feature_packed
+from synthetic_programs import program as _program
 
-from zlc import bundle as fmt
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
+from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.emit import Features, render
-from zlc.ir.quant import FORMATS
 
 # Code that exists only for one feature: a model without it must compile none of it.
 MARKERS: dict[str, list[str]] = {
@@ -41,49 +39,8 @@ MARKERS: dict[str, list[str]] = {
 ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
 NAMES = {code: name for name, code in pg.ACTIVATIONS.items()}
 FLAGS = [f.name for f in fields(Features) if f.name not in ("activations", "packed")]  # the bool features
-Fields = dict[str, float]
 
 
-def _program(*descs: tuple[type[Desc], Fields]) -> SimpleNamespace:
-    """A program whose decode table has one task per (op, fields): the fields a scheduler would
-    set, the rest as pack.py leaves them (0), plus a plain Llama's -1 "none"s."""
-    plain: dict[type[Desc], Fields] = {AttentionDesc: dict(q_norm_w=-1, k_norm_w=-1),
-                                       CacheAppendDesc: dict(k_norm_w=-1), LinearDesc: dict(bias=-1, w2=-1),
-                                       EmbedDesc: dict(pos_table=-1)}
-    di = np.zeros((len(descs), fmt.DESC_WORDS), np.int64)
-    df = np.zeros((len(descs), fmt.DESC_FLOATS), np.float32)
-    tasks = []
-    for i, (schema, values) in enumerate(descs):
-        ints, floats = schema.row(**{**plain.get(schema, {}), **values})
-        for k, v in ints.items():
-            di[i, k] = v
-        for k, fv in floats.items():
-            df[i, k] = fv
-        tasks.append(SimpleNamespace(op=schema.op, desc=i, a=0, b=16))
-    return SimpleNamespace(model="synthetic", tables={"prefill": [], "decode": tasks}, desc_int=di, desc_float=df,
-                           tiling=SimpleNamespace(block_n=16, lm_block_n=0, kv_splits=1))
-
-
-PLAIN: list[tuple[type[Desc], Fields]] = [
-    (EmbedDesc, dict(scale=1.0)), (AttentionDesc, dict(scale=0.25)), (CacheAppendDesc, {}),
-    (LinearDesc, dict(k=64, norm=pg.NORM_RMS, eps=1e-5)),
-    (LinearDesc, dict(k=64, w2=4096, norm=pg.NORM_RMS, act=1, eps=1e-5))]
-
-# One task that turns each feature on (its descriptor fields as tasks.py writes them).
-ONE: dict[str, tuple[type[Desc], Fields]] = {
-    "window": (AttentionDesc, dict(window=4)),
-    "attn_softcap": (AttentionDesc, dict(softcap=50.0)),
-    "alibi": (AttentionDesc, dict(alibi=-0.25)),
-    "qk_norm": (CacheAppendDesc, dict(k_norm_w=128, qk_eps=1e-6)),
-    "qk_norm_whole": (AttentionDesc, dict(q_norm_w=128, k_norm_w=192, qk_norm_whole=3, qk_eps=1e-6)),
-    "moe_route": (LinearDesc, dict(k=64, route_logits=0, route_experts=4, route_top_k=2, route_expert=1, route=2)),
-    "lm_softcap": (LinearDesc, dict(k=64, lm=1, softcap=30.0)),
-    "bias": (LinearDesc, dict(k=64, bias=256)),
-    "embed_norm": (EmbedDesc, dict(norm=pg.NORM_LAYER, norm_w=0, norm_b=64, scale=1.0, eps=1e-5)),
-    "embed_pos": (EmbedDesc, dict(pos_table=4096, scale=1.0)),
-    "mlp_split_k": (LinearDesc, dict(k=64, n=128, w2=4096, norm=pg.NORM_RMS, act=1, down_w=8192, down_out=512,
-                                     down_bias=-1, down_rows=64)),
-}
 IMPLIES = {"qk_norm_whole": {"qk_norm"}}  # a whole-row q/k norm is a q/k norm
 
 
@@ -155,7 +112,7 @@ def test_features_are_the_union_over_programs_modes_and_activations() -> None:
 
 
 def test_every_combination_renders_valid_python() -> None:
-    packed = [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.triton]
+    packed = every_feature_packed()
     every = _program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)), *packed)
     f = Features.of([every])
     assert all(getattr(f, n) for n in FLAGS) and f.activations == (1, 2)
