@@ -33,6 +33,7 @@ class InterpretBackend:
         desc_int, desc_float): tests run shuffled or deliberately broken tables this way.
         `kv_pages` = (pages, page_size) makes room in A for batched launches' page pool
         (runtime/paged_kv.py; `batch_launch`)."""
+        _check_frontend(Path(bundle), tiling, debug)  # a kernel no GPU could build does not run here either
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_worker, args=(child, str(bundle), tiling, debug,
@@ -111,7 +112,7 @@ def _fast_device_calls() -> None:
 def _check_frontend(bundle: Path, tiling: str, debug: bool) -> None:
     """Triton's compiler frontend over the kernel, for both launch kinds, with the constants this
     session launches it with (runtime/triton_frontend.py: the interpreter runs what the compiler
-    may reject)."""
+    may reject). Raises KernelFrontendError, a ZlcError, in one line."""
     from zlc.bundle import read_manifest
 
     from .triton_frontend import check_kernel
@@ -126,9 +127,8 @@ def _check_frontend(bundle: Path, tiling: str, debug: bool) -> None:
 
 def _worker(conn: Connection, bundle: str, tiling: str, debug: bool, tables: str | None,
             kv_pages: tuple[int, int] | None) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
     try:
-        _check_frontend(Path(bundle), tiling, debug)  # before the interpreter is switched on
-        os.environ["TRITON_INTERPRET"] = "1"
         _fast_device_calls()
         state = _KernelState(Path(bundle), tiling, debug, Path(tables) if tables else None, kv_pages)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it

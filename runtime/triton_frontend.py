@@ -11,9 +11,10 @@ its source, constants and Triton's version in the user's cache directory
 ($XDG_CACHE_HOME/zlc/frontend), so the test suite's many sessions of one bundle pay it once.
 ZLC_TRITON_FRONTEND=0 turns the check off.
 
-Must run before TRITON_INTERPRET is set in the process: Triton reads it when `@triton.jit`
-decorates the kernel, and the frontend needs the compiled form (runtime/interpret.py's worker
-calls this first).
+The frontend runs in a child process of its own: Triton reads TRITON_INTERPRET when `@triton.jit`
+decorates a function, its own standard library's included (decorated once, when Triton is first
+imported), so a process that imported Triton for the interpreter cannot compile, and a process
+that compiled cannot interpret.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import importlib.util
 import inspect
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,11 +54,7 @@ def check_kernel(source: Path, entry: str, signature: Mapping[str, str], constex
                  steps: list[int], *, num_warps: int = 4) -> None:
     """Builds the Triton IR of `entry` in `source` for each STEP in `steps` with `constexprs`;
     raises KernelFrontendError (file line and Triton's message) on the first it rejects."""
-    if not enabled():
-        return
-    try:
-        import triton.backends.nvidia  # noqa: F401 - a Triton without the NVIDIA backend cannot check
-    except ImportError:
+    if not enabled() or importlib.util.find_spec("triton") is None:
         return
     text = source.read_text()
     todo = []
@@ -68,21 +66,46 @@ def check_kernel(source: Path, entry: str, signature: Mapping[str, str], constex
             todo.append((consts, key))
     if not todo:
         return
-    saved = os.environ.pop("TRITON_INTERPRET", None)  # the frontend needs the compiled @jit form
+    req = {"source": str(source), "entry": entry, "signature": dict(signature), "num_warps": num_warps,
+           "checks": [[consts, key] for consts, key in todo]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "from zlc.runtime.triton_frontend import _child; _child()"],
+                          input=json.dumps(req, default=str), capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise ZlcError(f"the Triton frontend check of {source.name} did not finish (exit {proc.returncode}): "
+                       f"{(proc.stderr or proc.stdout).strip()[-400:]}")
+    error = json.loads(lines[-1][len(_RESULT):])
+    if error:
+        raise KernelFrontendError(error)
+
+
+_RESULT = "@@zlc-frontend "  # stdout marker: Triton's own prints are not the answer
+
+
+def _child() -> None:
+    """The check's own process (TRITON_INTERPRET unset): reads the request on stdin, prints None or
+    the first rejection's message, remembers every kernel that passed."""
+    req = json.loads(sys.stdin.read())
+    source = Path(req["source"])
+    error = None
     try:
-        fn = _load(source, entry)
-        for consts, key in todo:
-            _frontend(fn, source, signature, consts, num_warps)
-            _remember(key)
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+        fn = _load(source, req["entry"])
+        for consts, key in req["checks"]:
+            if _frontend(fn, source, req["signature"], consts, int(req["num_warps"])):
+                _remember(key)
+    except ZlcError as e:
+        error = str(e)
+    print(_RESULT + json.dumps(error), flush=True)
 
 
 def _triton_version() -> str:
-    import triton
+    from importlib.metadata import PackageNotFoundError, version
 
-    return str(triton.__version__)
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return "none"
 
 
 def _load(source: Path, entry: str) -> Any:
@@ -100,7 +123,12 @@ def _load(source: Path, entry: str) -> Any:
 
 
 def _frontend(fn: Any, source: Path, signature: Mapping[str, str], consts: Mapping[str, Any],
-              num_warps: int) -> None:
+              num_warps: int) -> bool:
+    """True when checked; False when this Triton has no NVIDIA backend to check with."""
+    try:
+        from triton.backends.nvidia import compiler as _nvidia  # noqa: F401
+    except ImportError:
+        return False  # a Triton without the NVIDIA backend (not x86-64/aarch64 Linux) cannot check
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -127,6 +155,7 @@ def _frontend(fn: Any, source: Path, signature: Mapping[str, str], consts: Mappi
     except Exception as e:  # CompilationError and the frontend's asserts (types, `break`)
         raise KernelFrontendError(f"Triton's compiler rejects {source.name} (STEP={consts.get('STEP')}), which its "
                                   f"interpreter would run: {_message(e)}") from None
+    return True
 
 
 def _message(e: BaseException) -> str:
