@@ -65,6 +65,7 @@ def every_feature_packed() -> list[tuple[type[Desc], Fields]]:
 
 
 def every_feature() -> SimpleNamespace:
-    """A program with every optional feature of the kernel on: each ONE task, a second activation
-    (gelu) and every packed format."""
-    return program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)), *every_feature_packed())
+    """A program with every optional feature of the kernel on: each ONE task, every activation and
+    every packed format."""
+    acts = [(LinearDesc, dict(k=64, act=code)) for code in sorted(set(pg.ACTIVATIONS.values()) - {0})]
+    return program(*PLAIN, *ONE.values(), *acts, *every_feature_packed())
