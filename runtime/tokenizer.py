@@ -2,8 +2,9 @@
 ``tokenizers`` library and ``jinja2`` (no ``transformers``).
 
 :func:`bundle_tokenizer` runs at compile time. It takes a ``tokenizer.json``, a Hugging Face model
-directory, or a GGUF file (whose vocabulary ``transformers`` converts to a fast tokenizer) and writes
-two files into the bundle folder:
+directory, or a GGUF file (its vocabulary built with ``tokenizers`` directly, :mod:`.gguf_vocab`, from
+the metadata the shared reader ``zlc.gguf_reader`` reads; Gemma, Phi-3 and unigram vocabularies are
+converted by ``transformers``) and writes two files into the bundle folder:
 
 ``tokenizer.json``
     the ``tokenizers`` serialization, loaded with ``tokenizers.Tokenizer.from_file``;
