@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class CompileProgress:
         self.counts: dict[str, TaskID] = {}
         self.stage: str | None = None
         self.explicit = False  # begin() marks the stages; else a new stage name in a report does
+        self.lock = threading.Lock()  # the stage's bars change from the build's job threads too
         self.t = self.t0 = time.perf_counter()
 
     def __enter__(self) -> CompileProgress:
@@ -67,9 +69,10 @@ class CompileProgress:
             self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
         self.stage, self.t = stage, now
         if self.bars is not None:
-            for task in self.counts.values():  # a stage's bars end with it
-                self.bars.remove_task(task)
-            self.counts.clear()
+            with self.lock:
+                for task in self.counts.values():  # a stage's bars end with it
+                    self.bars.remove_task(task)
+                self.counts.clear()
             assert self.line is not None
             self.bars.update(self.line, description=escape(stage))
 
@@ -89,9 +92,10 @@ class CompileProgress:
         """`done` of `total` units of `what` inside the running stage: a bar on a live console."""
         if self.bars is None:
             return
-        if what not in self.counts:
-            self.counts[what] = self.bars.add_task(escape(what), total=total)
-        self.bars.update(self.counts[what], completed=done, total=total)
+        with self.lock:
+            if what not in self.counts:
+                self.counts[what] = self.bars.add_task(escape(what), total=total)
+            self.bars.update(self.counts[what], completed=done, total=total)
 
     def done(self) -> None:
         self._switch("done")
