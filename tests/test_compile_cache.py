@@ -95,3 +95,29 @@ def test_cached_cubins_equal_the_built_ones(tiny_onnx: Path, tmp_path: Path, mon
     assert a == b
     assert kernel_entries(warm.manifest) == kernel_entries(cold.manifest)
     assert '.file\t1 "kernel.py"' in (tmp_path / "warm.zlc" / "kernels" / "a10.ptx").read_text()
+
+
+def test_read_only_cache_directory_compiles_and_says_so_once(tiny_onnx: Path, tmp_path: Path) -> None:
+    """`zlc compile` with its cache directory on a read-only mount (a tmpfs in a private mount
+    namespace): the bundle is built, and stderr says once that the cache is not used."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) on this host")
+    cache, out = tmp_path / "kc", tmp_path / "ro.zlc"
+    cache.mkdir()
+    env = {**os.environ, "ZLC_KERNEL_CACHE": str(cache), "ZLC_CC": "none"}  # no library to build: quick
+    flags = ["-m"] if os.geteuid() == 0 else ["-rm"]
+    cmd = ["unshare", *flags, "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$1" && shift && exec "$@"', "sh", str(cache),
+           sys.executable, "-m", "zlc.cli", "compile", str(tiny_onnx), "--max-seq", "64", "--skip-verify", "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 and "mount" in proc.stderr and "Traceback" not in proc.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    said = [ln.strip() for ln in proc.stderr.splitlines() if "kernel cache" in ln]
+    assert said == [f"kernel cache {cache} is not writable (Read-only file system): compiling without it"], proc.stderr
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["cache"]["off"] == f"{cache} is not writable (Read-only file system)"
