@@ -5,8 +5,8 @@ stores them.
 The key: the kernel source less its first line (it names the model and zlc version only, so
 models with the same shapes and features share cubins), the entry, signature, constexprs, compute
 capabilities, warps and stages; Triton's version and where it is installed (the PTX's line info
-names its files); the release of every ptxas in its wheel; zlc's version and the flags aot.py
-hands ptxas. Targets of one compute capability share an entry (their cubins are the same).
+names its files); the release of every ptxas in its wheel; zlc's version and aot.py's own source
+(the options it hands Triton and ptxas). Targets of one compute capability share an entry (their cubins are the same).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["aot_key", "compile_cached"]
 
 
+# aot.py itself: how it drives Triton and ptxas (flags, register cap, alignment hints) is in the key
+_AOT_SOURCE = Path(aot.__file__).read_bytes()
+
+
 def _toolchain() -> list[str]:
     """Triton's version and location, and each ptxas of its wheel with its release."""
     spec = importlib.util.find_spec("triton")
@@ -52,7 +56,7 @@ def aot_key(source: str, fn_name: str, signature: Mapping[str, str], constexprs:
     return content_key(
         "aot", body, fn_name, json.dumps(dict(signature), sort_keys=True),
         json.dumps(dict(constexprs), sort_keys=True), json.dumps(sorted(ccs)), str(num_warps), str(num_stages),
-        str(legacy_ptxas), __version__, " ".join(aot._PTXAS_FLAGS), str(aot.MAX_REGISTERS), *_toolchain())
+        str(legacy_ptxas), __version__, _AOT_SOURCE, *_toolchain())
 
 
 def compile_cached(cache: KernelCache, kernel_path: Path, fn_name: str, signature: Mapping[str, str],
