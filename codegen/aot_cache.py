@@ -65,13 +65,13 @@ def compile_cached(cache: KernelCache, kernel_path: Path, fn_name: str, signatur
     """`compile_kernel(kernel_path, ...)` through `cache`: (results, whether they came from it)."""
     ccs = sorted({int(t.compute_capability) for t in targets if t.compute_capability is not None})
     if not cache.on or not targets or any(t.compute_capability is None for t in targets):  # its errors
-        return compile_kernel(kernel_path, fn_name, signature, constexprs, targets, num_warps=num_warps,
+        return compile_kernel(kernel_path, fn_name, dict(signature), constexprs, targets, num_warps=num_warps,
                               on_progress=on_progress), False
     key = aot_key(Path(kernel_path).read_text(), fn_name, signature, constexprs, ccs, num_warps)
     got = cache.get(key, f"{fn_name} for {', '.join(t.name for t in targets)}")
     if got is not None:
         return _decode(got, targets), True
-    results = compile_kernel(kernel_path, fn_name, signature, constexprs, targets, num_warps=num_warps,
+    results = compile_kernel(kernel_path, fn_name, dict(signature), constexprs, targets, num_warps=num_warps,
                              on_progress=on_progress)
     cache.put(key, _encode(results), {"kind": "aot", "fn": fn_name, "ccs": ccs})
     return results, False

@@ -430,8 +430,9 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         for stage in COMPILE_STAGES:
             t = time.perf_counter()
             b.stage = stage.name
-            if hasattr(progress, "begin"):  # the CLI's progress: stages start here, whatever jobs report
-                progress.begin(stage.name)
+            begin = getattr(progress, "begin", None)  # the CLI's: stages start here, whatever jobs report
+            if begin is not None:
+                begin(stage.name)
             stage.run(b)
             secs[stage.name] = time.perf_counter() - t
             if stage.name == stop_after:

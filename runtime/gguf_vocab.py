@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from zlc.gguf_reader import field
 
@@ -111,10 +111,10 @@ def build(reader: Any) -> Any | None:
     return tok
 
 
-def _merges(reader: Any, vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, ...]]:
+def _merges(reader: Any, vocab: dict[str, int], scores: dict[str, float] | None) -> list[tuple[str, str]]:
     merges = field(reader, "tokenizer.ggml.merges")
-    if merges is not None:
-        return [tuple(m.split(" ")) for m in merges]
+    if merges is not None:  # as transformers splits them (a malformed one fails in BPE, as there)
+        return cast(list[tuple[str, str]], [tuple(m.split(" ")) for m in merges])
     tokens = field(reader, "tokenizer.ggml.tokens")
     if scores is None:
         scores = dict(zip(tokens, field(reader, "tokenizer.ggml.scores"), strict=True))
