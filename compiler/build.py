@@ -89,6 +89,7 @@ class Build:
     pool: Any = None  # the independent builds' jobs (C compilers, Triton compiles): `jobs` at a time
     kernel_jobs: Any = None  # the GPU kernels' submitted jobs (codegen/kernel_builds.py), from emit to aot
     stage: str = ""  # the stage running (where a line from the cache or a job is reported)
+    stop_after: str | None = None  # compile(stop_after=...): no cubin jobs start when aot will not run
 
     def report(self, stage: str, detail: str = "") -> None:
         if self.progress is not None:
@@ -196,7 +197,8 @@ def _emit(b: Build) -> None:
     (b.tmp / "kernel.py").write_text(b.kernel_source)
     assert b.lowered is not None
     _write_ir(b.tmp, b.lowered)
-    if any(t.is_gpu for t in b.targets):  # the cubins build from here on, beside the weights and the native stage
+    aot_runs = b.stop_after is None or COMPILE_STAGE_NAMES.index(b.stop_after) >= COMPILE_STAGE_NAMES.index("aot")
+    if aot_runs and any(t.is_gpu for t in b.targets):  # the cubins build from here on, beside weights and native
         from zlc.codegen.kernel_builds import start
 
         b.kernel_jobs = start(b.programs["gpu"], b.tmp / "kernel.py", b.targets, b.wdtype, b.debug_waits, b.pool,
@@ -421,7 +423,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
               wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32"),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
-              progress=progress, quantize=qfmt)
+              progress=progress, quantize=qfmt, stop_after=stop_after)
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     b.cache = _open_cache(cache, b)
