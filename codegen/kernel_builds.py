@@ -1,6 +1,6 @@
 """A bundle's GPU kernels as independent jobs: per kernel (decode, prefill), build (release; with
---debug-waits the debug and trace builds too) and L2-prefetch size, one Triton compile for every
-GPU target that shares it. `start` submits them to a pool (each job runs its compiler in a child
+--debug-waits the debug and trace builds too), L2-prefetch size and compute capability, one Triton
+compile for every GPU target that shares them. `start` submits them to a pool (each job runs its compiler in a child
 process; the compile stage submits them as soon as kernel.py is written, so they overlap the
 weights and the native libraries), through the compile cache (aot_cache.py); `finish` waits for
 them, writes the cubins and PTX into the bundle and returns the manifest's target entries.
@@ -30,7 +30,7 @@ __all__ = ["BUILDS", "KernelJobs", "finish", "l2_prefetch", "start"]
 # error words) and for traced launches (trace: SM id and timestamps per task). Extra constexprs:
 BUILDS: dict[str, dict[str, int]] = {"release": {}, "debug": {"DEBUG": 1}, "trace": {"TRACE": 1}}
 
-Job = tuple[str, int, str, int]  # (kernel, STEP, build, PREFETCH bytes)
+Job = tuple[str, int, str, int, int]  # (kernel, STEP, build, PREFETCH bytes, compute capability)
 
 
 @dataclass
@@ -55,15 +55,19 @@ def start(gp: Any, kernel_path: Path, targets: Sequence[Target], wdtype: str, de
     # target to its L2 (l2_prefetch; docs/megakernel.md); the prefill kernel compiles it out
     prefetch = {t.name: l2_prefetch(gp, t, wdtype) for t in gpu_targets}
     caps = sorted({int(p["bytes"]) for p in prefetch.values()})  # one decode kernel per cap (0: none)
-    jobs: list[Job] = [("decode", MODE_DECODE, build, cap) for build in builds for cap in caps] + \
-                      [("prefill", MODE_PREFILL, build, 0) for build in builds]
+    # one job per compute capability too: each is its own Triton process (targets of one capability
+    # share its cubins)
+    ccs = sorted({int(t.compute_capability) for t in gpu_targets if t.compute_capability is not None})
+    jobs: list[Job] = [("decode", MODE_DECODE, build, cap, cc) for build in builds for cap in caps for cc in ccs
+                       if any(_of(t, cc) and prefetch[t.name]["bytes"] == cap for t in gpu_targets)] + \
+                      [("prefill", MODE_PREFILL, build, 0, cc) for build in builds for cc in ccs]
     for t in gpu_targets:
         report(f"{t.name}: L2 prefetch of the next task's weights {'on' if prefetch[t.name]['on'] else 'off'}: "
                f"{prefetch[t.name]['why']}")
 
     def run(job: Job) -> list[Any]:
-        kind, step, build, cap = job
-        tgs = [t for t in gpu_targets if prefetch[t.name]["bytes"] == cap] if kind == "decode" else gpu_targets
+        kind, step, build, cap, cc = job
+        tgs = [t for t in gpu_targets if _of(t, cc) and (kind != "decode" or prefetch[t.name]["bytes"] == cap)]
         what = kind if build == "release" else f"{kind} ({build})"
         consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, "PREFETCH": cap, **BUILDS[build]}
         results, hit = compile_cached(cache, kernel_path, ENTRY, signature(wdtype), consts, tgs,
@@ -87,7 +91,7 @@ def start(gp: Any, kernel_path: Path, targets: Sequence[Target], wdtype: str, de
 def finish(jobs: KernelJobs, root: Path) -> dict[str, dict[str, Any]]:
     """Waits for the jobs, writes their files under `root` and returns {target: manifest entry}."""
     entries: dict[str, dict[str, dict[str, Any]]] = {}
-    for (kind, _, build, _), fut in jobs.futures.items():
+    for (kind, _, build, _, _), fut in jobs.futures.items():
         for r in fut.result():
             entries.setdefault(r.target, {}).setdefault(kind, {})[build] = _kernel_entry(root, r, kind, build)
     out: dict[str, dict[str, Any]] = {}
@@ -125,6 +129,10 @@ def l2_prefetch(prog: Any, target: Any, wdtype: str) -> dict[str, Any]:
                    f"{'>=' if on else '<'} {PREFETCH_BYTES / 1024:.0f} KB (a task's own requests before its wait); "
                    f"the decode step's tasks prefetch {mean / 1024:.0f} KB each on average"
                    + (f", at most {share / 1024:.0f} KB" if on else "")}
+
+
+def _of(t: Target, cc: int) -> bool:
+    return t.compute_capability is not None and int(t.compute_capability) == cc
 
 
 def _stem(target: str, kind: str, build: str) -> str:
