@@ -168,9 +168,10 @@ def test_other_vocabularies_are_left_to_transformers(tmp_path: Path) -> None:
     assert build(open_gguf(path)) is None
 
 
-@pytest.mark.slow
-def test_smollm2_equals_transformers(tmp_path: Path) -> None:
-    """The real SmolLM2 file (49k tokens, 48.9k merges, pre-tokenizer `smollm`)."""
+@pytest.fixture(scope="module")
+def smollm2_pair() -> tuple[Any, Any, dict[str, Any], Path]:
+    """(ours, transformers', transformers' config, the file) for the real SmolLM2 GGUF (49k tokens,
+    48.9k merges, pre-tokenizer `smollm`)."""
     from zlc.testing import zoo
 
     try:
@@ -179,7 +180,22 @@ def test_smollm2_equals_transformers(tmp_path: Path) -> None:
         pytest.skip(str(e))
     ours = build(open_gguf(path))
     theirs, want = _transformers(path)
+    return ours, theirs, want, path
+
+
+@pytest.mark.slow
+def test_smollm2_equals_transformers(smollm2_pair: tuple[Any, Any, dict[str, Any], Path], tmp_path: Path) -> None:
+    ours, theirs, want, path = smollm2_pair
     for text in TEXTS:
         assert _ids(ours, text) == _ids(theirs, text), text
     cfg = bundle_tokenizer(path, tmp_path / "tok")
     assert {k: cfg[k] for k in want} == want
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=60))
+def test_smollm2_random_strings_equal_transformers(smollm2_pair: tuple[Any, Any, dict[str, Any], Path],
+                                                   text: str) -> None:
+    ours, theirs, _, _ = smollm2_pair
+    assert _ids(ours, text) == _ids(theirs, text)
