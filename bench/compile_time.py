@@ -4,6 +4,8 @@
     python bench/compile_time.py                   # the tiny example model (zoo llama, opset 20)
     python bench/compile_time.py --smollm2         # plus SmolLM2-135M (zoo export, ~540 MB, once)
     python bench/compile_time.py MODEL.onnx ...    # any ONNX files
+    python bench/compile_time.py --cold-warm --targets cpu,a10 --max-seq 128 --repeat 0
+                                                   # the compile cache: each stage cold, then warm
 
 Each model is lowered --repeat times in this process; the table shows the median seconds per
 stage (the first run also pays one-time imports, so it is reported separately), node counts and
@@ -14,6 +16,12 @@ before the first token); the ratio zlc / ORT is printed. `zlc.compile` for --tar
 a10 and h100) runs once per model after the lowering runs, into a temporary directory; its stage
 times and total are printed with the same peer ratio. Output is markdown, ready for
 docs/performance.md.
+
+--cold-warm: `zlc.compile` three times into temporary directories, with a compile cache of its
+own (ZLC_KERNEL_CACHE in a temporary directory): cold (empty cache: every library and cubin
+built, the jobs side by side), warm (every one from the cache), and cold with --jobs 1 (one build
+at a time, as before the cache and the pool); seconds per stage for each, and the process's peak
+RSS. With --repeat 0 the lowering runs and the ORT peer are skipped.
 """
 
 from __future__ import annotations
@@ -70,7 +78,32 @@ def compile_time(path: Path, targets: list[str], max_seq: int) -> tuple[dict[str
         return res.seconds, res.manifest
 
 
-def report(path: Path, repeat: int, max_seq: int, targets: list[str]) -> list[str]:
+def cold_warm(path: Path, targets: list[str], max_seq: int) -> list[str]:
+    """Stage seconds of a cold, a warm and a one-job cold compile, each with a fresh or the same
+    private cache, as a markdown table."""
+    import os
+    import tempfile
+
+    runs: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        os.environ["ZLC_KERNEL_CACHE"] = str(Path(d) / "cache")
+        for label, kw in (("cold", {}), ("warm", {}), ("cold, --jobs 1", {"jobs": 1, "cache": False})):
+            res = zlc.compile(path, targets=targets, out=Path(d) / "b.zlc", max_seq=max_seq, **kw)
+            runs[label] = res.seconds
+            c = res.manifest["cache"]
+            print(f"  {label}: {len(c['hits'])} from the cache, {len(c['built'])} built", file=sys.stderr)
+    stages = [k for k in next(iter(runs.values())) if k != "total"]
+    lines = [f"`zlc.compile({path.name}, targets={targets}, max_seq={max_seq})`, seconds per stage:", "",
+             "| stage | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    lines += [f"| {k} | " + " | ".join(f"{r[k]:.2f}" for r in runs.values()) + " |" for k in stages]
+    lines += ["| **total** | " + " | ".join(f"**{r['total']:.2f}**" for r in runs.values()) + " |", "",
+              f"peak RSS {peak_rss_mb():.0f} MB", ""]
+    return lines
+
+
+def report(path: Path, repeat: int, max_seq: int, targets: list[str], cache_runs: bool = False) -> list[str]:
+    if cache_runs:
+        return cold_warm(path, targets, max_seq)
     first, med, lowered = lower_times(path, repeat, max_seq)
     rss = peak_rss_mb()  # before the peer loads its own copy of the weights
     peer = ort_session_time(path, repeat)
@@ -108,11 +141,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--targets", default="a10,h100", help="zlc.compile targets, comma-separated ('' skips)")
+    ap.add_argument("--cold-warm", action="store_true",
+                    help="compile cold, warm and cold with one job, each stage's seconds (the compile cache)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # child process: one model
     args = ap.parse_args()
     if args.one:
         targets = [t for t in args.targets.split(",") if t]
-        print("\n".join(report(args.models[0], args.repeat, args.max_seq, targets)), flush=True)
+        print("\n".join(report(args.models[0], args.repeat, args.max_seq, targets, args.cold_warm)), flush=True)
         return
     from zlc.testing import zoo
 
@@ -123,7 +158,8 @@ def main() -> None:
           f"{_version('torch')}, onnxruntime {_version('onnxruntime')}\n", flush=True)
     for m in models:
         subprocess.run([sys.executable, __file__, "--one", str(m), "--repeat", str(args.repeat),
-                        "--max-seq", str(args.max_seq), "--targets", args.targets], check=True)
+                        "--max-seq", str(args.max_seq), "--targets", args.targets,
+                        *(["--cold-warm"] if args.cold_warm else [])], check=True)
 
 
 def _version(dist: str) -> str:

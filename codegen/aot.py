@@ -152,8 +152,12 @@ def compile_kernel(
     if not kernel_path.is_file():
         raise AotError(f"kernel file not found: {kernel_path}")
     ccs = list(dict.fromkeys(int(t.compute_capability) for t in targets))  # type: ignore[arg-type]
+    # The child compiles a copy of the file in its working directory and names it by its file
+    # name alone in the line info (`.file` in the PTX, the cubin's line table): the same source
+    # gives the same PTX and cubin wherever it is compiled (the compile cache relies on it).
     request = {
-        "kernel_path": str(kernel_path), "fn_name": fn_name, "signature": dict(signature),
+        "kernel_path": kernel_path.name, "kernel_dir": str(kernel_path.parent), "source": kernel_path.read_text(),
+        "fn_name": fn_name, "signature": dict(signature),
         "constexprs": dict(constexprs), "ccs": ccs, "num_warps": num_warps, "num_stages": num_stages,
     }
     try:
@@ -446,6 +450,9 @@ MAX_REGISTERS = 255
 def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     assert "TRITON_INTERPRET" not in os.environ
     path, fn_name = Path(req["kernel_path"]), req["fn_name"]
+    (work / path).write_text(req["source"])
+    os.utime(work / path, (0, 0))  # ptxas records the file's mtime in the cubin's line table
+    sys.path.insert(0, req["kernel_dir"])  # generated kernels may import sibling helper files
     fn = _load_kernel(path, fn_name)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -506,7 +513,6 @@ def _child_compile(req: dict[str, Any], work: Path, progress: Callable[[str], No
 
 def _load_kernel(path: Path, fn_name: str) -> Any:
     # Triton reads kernel source with `inspect`, which needs a real module backed by the file.
-    sys.path.insert(0, str(path.parent))  # generated kernels may import sibling helper files
     mod_name = "_zlc_aot_" + re.sub(r"\W", "_", path.stem)
     try:
         spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -521,6 +527,9 @@ def _load_kernel(path: Path, fn_name: str) -> Any:
     if fn is None or not hasattr(fn, "arg_names"):
         what = "is not defined" if fn is None else "is not a @triton.jit function"
         raise AotError(f"'{fn_name}' {what} in {path}")
+    for f in vars(module).values():  # the line info names the file alone: no directory in the PTX
+        if hasattr(f, "arg_names") and hasattr(f, "file_name"):
+            f.file_name = path.name
     return fn
 
 

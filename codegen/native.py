@@ -20,14 +20,13 @@ the runtime (runtime/native.py) reads.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from zlc.targets import IsaLevel, isa_levels_for
 from . import program as pg
 from .descriptors import AttentionDesc, EmbedDesc, LinearDesc, constants
 from .emit import DEBUG_WAIT_TIMEOUT_NS
+from .kcache import KernelCache, content_key
 from .program import Program
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -151,34 +151,26 @@ def compile_library(source: Path, out: Path, level: IsaLevel, cc: str, extra: Se
     return time.perf_counter() - t0
 
 
-def cache_dir() -> Path | None:
-    """Where built libraries are kept by content ($ZLC_NATIVE_CACHE, default ~/.cache/zlc/native;
-    "none" turns it off): recompiling a model, or the test suite's many bundles of one model, then
-    skips the C compiler (seconds per bundle)."""
-    env = os.environ.get("ZLC_NATIVE_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in ("", "none") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "zlc" / "native"
-
-
-def _cache_key(source: str, cc: str, version: str, levels: Sequence[IsaLevel]) -> str:
-    body = source.split("\n", 1)[1]  # not the first line: it names the model and zlc version only
-    h = hashlib.sha256()
-    for part in (body, os.path.realpath(cc), version, *(" ".join(level_flags(lv)) for lv in levels), *LIBS):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()[:32]
+def level_key(source: str, cc: str, cc_version: str, level: IsaLevel) -> str:
+    """The compile cache's key of one level's library: the source less its first line (it names
+    the model and zlc version only, so models with the same shapes and features share libraries),
+    the compiler (path and version), the level's flags and the libraries linked."""
+    body = source.split("\n", 1)[1]
+    return content_key("native", body, os.path.realpath(cc), cc_version, " ".join(level_flags(level)), *LIBS)
 
 
 def build_native(p: Program, out_dir: Path, *, weight_dtype: str, version: str,
-                 machine: str | None = None, progress: Callable[[str], None] | None = None) -> NativeBuild:
+                 machine: str | None = None, progress: Callable[[str], None] | None = None,
+                 cache: KernelCache | None = None, pool: Executor | None = None) -> NativeBuild:
     """Renders the kernel into `out_dir/megakernel.c` and compiles one library per ISA level of
     `machine` (this host's by default) as `out_dir/<level>.so`, the compilers running side by side
-    (or copies them from the cache, see `cache_dir`). No C compiler: nothing is written and the
-    result says why (the bundle still runs on a GPU or the interpreter)."""
+    (as jobs of `pool` when given, else all at once), or copies them from the compile `cache`
+    (codegen/kcache.py; the environment's by default, see `KernelCache.open`). No C compiler:
+    nothing is written and the result says why (the bundle still runs on a GPU or the interpreter)."""
     cc, why = find_compiler()
     if cc is None:
         return NativeBuild(skipped=why)
+    cache = cache if cache is not None else KernelCache.open()
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / "megakernel.c"
     text = render(p, weight_dtype=weight_dtype, version=version)
@@ -186,20 +178,22 @@ def build_native(p: Program, out_dir: Path, *, weight_dtype: str, version: str,
     levels = isa_levels_for(machine or platform.machine())
     cc_version = compiler_version(cc)
     t0 = time.perf_counter()
-    cached = cache_dir()
-    key = _cache_key(text, cc, cc_version, levels)
-    hit = cached is not None and all((cached / key / f"{lv.name}.so").is_file() for lv in levels)
-    if progress:
-        progress(f"{Path(cc).name}: {', '.join(lv.name for lv in levels)}" + (" (cached)" if hit else ""))
-    if hit:
-        assert cached is not None
-        for lv in levels:
-            shutil.copyfile(cached / key / f"{lv.name}.so", out_dir / f"{lv.name}.so")
-    else:
-        _compile_levels(cc, levels, src, out_dir)
-        if cached is not None:
-            _store(cached / key, [out_dir / f"{lv.name}.so" for lv in levels])
     rel = out_dir.name
+    keys = {lv.name: level_key(text, cc, cc_version, lv) for lv in levels}
+    hits = {lv.name: cache.get(keys[lv.name], f"native {lv.name}") for lv in levels}
+    todo = [lv for lv in levels if hits[lv.name] is None]
+    if progress:
+        progress(f"{Path(cc).name}: " + ", ".join(lv.name + ("" if lv in todo else " (cached)") for lv in levels))
+    for lv in levels:
+        got = hits[lv.name]
+        if got is not None:
+            (out_dir / f"{lv.name}.so").write_bytes(got["lib.so"])
+        cache.note(f"{rel}/{lv.name}.so", got is not None)
+    if todo:
+        _compile_levels(cc, todo, src, out_dir, pool, progress)
+        for lv in todo:
+            cache.put(keys[lv.name], {"lib.so": (out_dir / f"{lv.name}.so").read_bytes()},
+                      {"kind": "native", "level": lv.name, "compiler": cc_version})
     return NativeBuild(
         source=f"{rel}/megakernel.c", compiler=cc_version, flags=[*BASE_FLAGS, *LIBS],
         levels={lv.name: {"library": f"{rel}/{lv.name}.so", "machine": lv.machine, "cflags": list(lv.cflags),
@@ -207,32 +201,23 @@ def build_native(p: Program, out_dir: Path, *, weight_dtype: str, version: str,
         seconds=round(time.perf_counter() - t0, 3))
 
 
-def _compile_levels(cc: str, levels: Sequence[IsaLevel], src: Path, out_dir: Path) -> None:
-    procs = [(lv, subprocess.Popen(_command(cc, lv, src, out_dir / f"{lv.name}.so"), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)) for lv in levels]
-    failed = []
-    for lv, proc in procs:
-        log, _ = proc.communicate()
-        if proc.returncode != 0:
-            failed.append(f"{lv.name} (exit {proc.returncode}): {log.strip()[:2000]}")
+def _compile_levels(cc: str, levels: Sequence[IsaLevel], src: Path, out_dir: Path, pool: Executor | None,
+                    progress: Callable[[str], None] | None) -> None:
+    def one(lv: IsaLevel) -> str | None:
+        proc = subprocess.run(_command(cc, lv, src, out_dir / f"{lv.name}.so"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        if progress:
+            progress(f"built {lv.name}")
+        return None if proc.returncode == 0 else f"{lv.name} (exit {proc.returncode}): {proc.stdout.strip()[:2000]}"
+
+    if pool is not None:
+        results = list(pool.map(one, levels))
+    else:  # one thread per level, each waiting on its compiler process
+        with ThreadPoolExecutor(max_workers=len(levels)) as own:
+            results = list(own.map(one, levels))
+    failed = [r for r in results if r is not None]
     if failed:
         raise NativeBuildError(f"{Path(cc).name} failed on the native kernel: {'; '.join(failed)}")
-
-
-def _store(entry: Path, libs: Sequence[Path]) -> None:
-    """Puts the libraries into the cache entry atomically (a reader sees all of them or none). A
-    read-only or full cache, or another writer that got there first, leaves the build as it is."""
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}."))
-    except OSError:
-        return
-    try:
-        for lib in libs:
-            shutil.copyfile(lib, tmp / lib.name)
-        os.replace(tmp, entry)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # The mapped layout's sections start on page boundaries: a session maps the file once and hands the

@@ -8,6 +8,7 @@ bundle's manifest lists each constant and `pack_arenas` fills W and P from the g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,9 +108,10 @@ def _data_key(v: Value) -> Any:
     return ("id", id(v))
 
 
-def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any, Any, Any]:
+def pack_arenas(decode: Graph, program: Program, weight_dtype: str,
+                on_packed: Callable[[int, int], None] | None = None) -> tuple[Any, Any, Any]:
     """(W, P, Q) arenas as torch tensors: every placed constant copied to its offset (Q: the
-    packed blocks, bytes, empty when no weight is packed)."""
+    packed blocks, bytes, empty when no weight is packed). `on_packed(done, total)` after each."""
     import torch
 
     from zlc.reference.kernels import const_tensor
@@ -120,7 +122,9 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any
     Q = torch.zeros(program.q_size, dtype=torch.uint8)
     consts = {v.name: v for v in decode.consts.values()}
     done: set[tuple[str, int]] = set()
-    for pl in program.weights:
+    for i, pl in enumerate(program.weights):
+        if on_packed is not None:
+            on_packed(i, len(program.weights))
         if (pl["arena"], pl["offset"]) in done:  # a tied name: its data is already there
             continue
         done.add((pl["arena"], pl["offset"]))
@@ -131,4 +135,6 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str) -> tuple[Any
         t = const_tensor(v).reshape(-1)
         arena = W if pl["arena"] == "W" else P
         arena[pl["offset"]:pl["offset"] + t.numel()] = t.to(arena.dtype)
+    if on_packed is not None:
+        on_packed(len(program.weights), len(program.weights))
     return W, P, Q

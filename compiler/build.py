@@ -17,16 +17,25 @@ GPU target; the targets differ only in arch (cubin) and grid (SM count). The nat
 third, `native` (tasks sized for threads), run by the C kernel it compiles with the system C
 compiler for every ISA level of this machine; without a compiler the bundle is built without it
 and its manifest says why.
+
+The libraries and cubins are independent builds: jobs of one pool (`jobs` at a time, default the
+CPUs), the cubins submitted as soon as emit has written kernel.py, so they build beside the
+weights and the native libraries; the aot stage waits for what is left. Each is looked up in the
+compile cache first (codegen/kcache.py, by content: source, toolchain, flags, target) and stored
+there after; the manifest's `cache` entry says which came from it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +85,21 @@ class Build:
     native: dict[str, Any] = field(default_factory=dict)  # the manifest's `native` entry
     arenas: tuple[Any, Any] | None = None  # (W, Q) as written by the weights stage: the native layout's input
     manifest: dict[str, Any] = field(default_factory=dict)
+    cache: Any = None  # the compile cache (codegen/kcache.py KernelCache): libraries and cubins by content
+    pool: Any = None  # the independent builds' jobs (C compilers, Triton compiles): `jobs` at a time
+    kernel_jobs: Any = None  # the GPU kernels' submitted jobs (codegen/kernel_builds.py), from emit to aot
+    stage: str = ""  # the stage running (where a line from the cache or a job is reported)
+    stop_after: str | None = None  # compile(stop_after=...): no cubin jobs start when aot will not run
 
     def report(self, stage: str, detail: str = "") -> None:
         if self.progress is not None:
             self.progress(stage, detail)
+
+    def count(self, what: str, done: int, total: int) -> None:
+        """Progress inside a long stage (layers lowered, matrices packed, kernels built): a bar
+        where the progress shows one (the CLI's on a terminal), nothing otherwise."""
+        if self.progress is not None and hasattr(self.progress, "count"):
+            self.progress.count(what, done, total)
 
     @property
     def decode(self) -> Any:
@@ -107,8 +127,14 @@ class CompileResult:
 
 def _lower(b: Build) -> None:
     b.report("lower", f"{b.name}, max_seq {b.max_seq}")
+    from .driver import STAGES
+
+    def seen(st: str, g: Any) -> None:
+        b.report("lower", st)
+        b.count("lowering passes", STAGES.index(st) + 1 if st in STAGES else 0, len(STAGES))
+
     b.lowered = lower(b.model, b.example_inputs, options=CompileOptions(max_seq=b.max_seq),
-                      observer=(lambda st, g: b.report("lower", st)) if b.progress else None)
+                      observer=seen if b.progress else None)
     if b.lowered.decode is None or b.lowered.prefill is None:
         raise ZlcError("the model was lowered without a KV cache; nothing to compile")
 
@@ -171,6 +197,12 @@ def _emit(b: Build) -> None:
     (b.tmp / "kernel.py").write_text(b.kernel_source)
     assert b.lowered is not None
     _write_ir(b.tmp, b.lowered)
+    aot_runs = b.stop_after is None or COMPILE_STAGE_NAMES.index(b.stop_after) >= COMPILE_STAGE_NAMES.index("aot")
+    if aot_runs and any(t.is_gpu for t in b.targets):  # the cubins build from here on, beside weights and native
+        from zlc.codegen.kernel_builds import start
+
+        b.kernel_jobs = start(b.programs["gpu"], b.tmp / "kernel.py", b.targets, b.wdtype, b.debug_waits, b.pool,
+                              b.cache, lambda d: b.report("aot", d))
 
 
 def _weights(b: Build) -> None:
@@ -179,7 +211,7 @@ def _weights(b: Build) -> None:
     from zlc.codegen.pack import pack_arenas
 
     b.report("weights", f"{b.wdtype} arenas")
-    W, P, Q = pack_arenas(b.decode, b.programs["cpu"], b.wdtype)
+    W, P, Q = pack_arenas(b.decode, b.programs["cpu"], b.wdtype, lambda i, n: b.count("weights packed", i, n))
     save_file({"W": W, "P": P, **({"Q": Q} if Q.numel() else {})}, str(b.tmp / "weights.safetensors"))
     b.arenas = (W, Q)
 
@@ -202,7 +234,7 @@ def _native(b: Build) -> None:
     b.programs["native"] = prog
     b.tilings["native"] = _write_tables(b.tmp, "native", prog, b.debug_waits)
     built = build_native(prog, b.tmp / "native", weight_dtype=b.wdtype, version=__version__,
-                         progress=lambda s: b.report("native", s))
+                         progress=lambda s: b.report("native", s), cache=b.cache, pool=b.pool)
     b.native = built.manifest()
     if any(t.name == "cpu" for t in b.targets):
         _native_layout(b, prog)
@@ -233,126 +265,16 @@ def _native_layout(b: Build, prog: Any) -> None:
     b.native["levels"][level]["weights"] = entry
 
 
-# The builds of each kernel: `release` always; with --debug-waits the diagnostic ones too, which
-# the CUDA executor runs for the first launch of each kernel (debug: waits time out into CTRL's
-# error words) and for traced launches (trace: SM id and timestamps per task). Extra constexprs:
-_BUILDS: dict[str, dict[str, int]] = {"release": {}, "debug": {"DEBUG": 1}, "trace": {"TRACE": 1}}
-
-
 def _aot(b: Build) -> None:
-    gpu_targets = [t for t in b.targets if t.is_gpu]
-    if gpu_targets:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
+    if b.kernel_jobs is not None:  # submitted by the emit stage; this waits for them and writes their files
+        from zlc.codegen.kernel_builds import finish
 
-        from zlc.bundle import MODE_DECODE, MODE_PREFILL
-        from zlc.codegen.aot import compile_kernel
-        from zlc.codegen.emit import ENTRY, signature
-
-        gp = b.programs["gpu"]
-        (b.tmp / "kernels").mkdir()
-        # Two kernels from the one source, per target: STEP picks the prefill or the decode bodies,
-        # so neither carries the other's registers (docs/megakernel.md, "Two kernels").
-        builds = [k for k in _BUILDS if k == "release" or b.debug_waits]
-        # PREFETCH: the decode kernel requests up to that many bytes of the next task's weights
-        # into L2 (inline PTX, which the interpreter cannot run: it keeps the default 0), sized per
-        # target to its L2 (l2_prefetch; docs/megakernel.md); the prefill kernel compiles it out
-        prefetch = {t.name: l2_prefetch(gp, t, b.wdtype) for t in gpu_targets}
-        caps = sorted({int(p["bytes"]) for p in prefetch.values()})  # one decode kernel per cap (0: none)
-        jobs = [("decode", MODE_DECODE, build, cap) for build in builds for cap in caps] + \
-               [("prefill", MODE_PREFILL, build, 0) for build in builds]
-        for t in gpu_targets:
-            b.report("aot", f"{t.name}: L2 prefetch of the next task's weights {'on' if prefetch[t.name]['on'] else 'off'}: "
-                            f"{prefetch[t.name]['why']}")
-
-        def run(job: tuple[str, int, str, int]) -> list[Any]:
-            kind, step, build, cap = job
-            targets = [t for t in gpu_targets if prefetch[t.name]["bytes"] == cap] if kind == "decode" else gpu_targets
-            what = kind if build == "release" else f"{kind} ({build})"
-            b.report("aot", f"{what} kernel: {', '.join(t.name for t in targets)} (ptxas)")
-            consts = {**gp.constexprs(debug=False), "STEP": step, "TRACE": 0, "PREFETCH": cap, **_BUILDS[build]}
-            results = compile_kernel(b.tmp / "kernel.py", ENTRY, signature(b.wdtype), consts, targets,
-                                     num_warps=gp.tiling.num_warps,
-                                     on_progress=lambda s: b.report("aot", f"{what}: {s}"))
-            for r in {r.arch: r for r in results}.values():
-                for c in r.cubins[1:]:
-                    b.report("aot", f"{what}: {r.arch}: assembled again with ptxas {c.toolkit} (PTX ISA {c.ptx_isa}) "
-                                    f"in {c.seconds:.1f} s")
-                if r.fallback_skipped:
-                    b.report("aot", f"{what}: {r.arch}: no cubin from the older ptxas: {r.fallback_skipped}")
-            return results
-
-        # one compiler process per job; they are independent (a few GB of memory at most each)
-        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1, 4))) as pool:
-            compiled = dict(zip(jobs, pool.map(run, jobs), strict=True))
-        entries: dict[str, dict[str, dict[str, Any]]] = {}
-        for (kind, _, build, _), results in compiled.items():
-            for r in results:
-                entries.setdefault(r.target, {}).setdefault(kind, {})[build] = _kernel_entry(b.tmp, r, kind, build)
-        for name in (t.name for t in gpu_targets if t.name in entries):  # the targets' order, not the jobs'
-            dec, pre = entries[name]["decode"], entries[name]["prefill"]
-            # the target's own fields: the decode kernel's release build, what a step runs
-            info = {"arch": dec["release"].pop("arch"), "tiling": "gpu", "grid": get_target(name).sms,
-                    **dec["release"]}
-            prefill = {k: v for k, v in pre["release"].items() if k != "arch"}
-            for build in builds[1:]:
-                info[build] = {k: v for k, v in dec[build].items() if k != "arch"}
-                prefill[build] = {k: v for k, v in pre[build].items() if k != "arch"}
-            b.target_info[name] = {**info, "prefill": prefill, "l2_prefetch": prefetch[name]}
+        b.target_info.update(finish(b.kernel_jobs, b.tmp))
     assert b.lowered is not None
     for tg in b.targets:
         info = b.target_info.setdefault(tg.name, {"arch": tg.arch, "tiling": "cpu",
                                                   "grid": b.tilings["cpu"]["grid"]})
         info["roofline"] = roofline(b.lowered, tg, b.wdtype)
-
-
-def l2_prefetch(prog: Any, target: Any, wdtype: str) -> dict[str, Any]:
-    """Whether, and how much of, the next task's weights `target`'s decode kernel prefetches into L2
-    (PREFETCH: the most bytes one prefetch requests, 0 for none): half the L2 shared by one
-    prefetch per program (the other half for the KV cache, activations and partials;
-    docs/kernel-model.md prices lines beyond it as evicted before use: their bytes cross HBM
-    twice), on where that share is at least what a task requests into its registers before its
-    wait (gemv_plan.PREFETCH_BYTES): below it the L2 prefetch adds little but its instructions."""
-    from zlc.codegen.gemv_plan import PREFETCH_BYTES
-    from zlc.codegen.program import PF_UNIT
-
-    item = 4 if wdtype == "fp32" else 2
-    sizes = [r[1] * PF_UNIT * item * (2 if r[2] >= 0 else 1)
-             for r in (prog.prefetch_record(t) for t in prog.tables["decode"]) if r[1] > 0]
-    mean = sum(sizes) / len(sizes) if sizes else 0.0
-    have = target.l2_mb * 1e6 / 2
-    share = int(have / target.sms) // 1024 * 1024
-    on = bool(sizes) and share >= PREFETCH_BYTES
-    return {"on": on, "bytes": share if on else 0,
-            "why": f"half the L2 ({have / 1e6:.0f} MB) over {target.sms} programs = {share / 1024:.0f} KB per prefetch "
-                   f"{'>=' if on else '<'} {PREFETCH_BYTES / 1024:.0f} KB (a task's own requests before its wait); "
-                   f"the decode step's tasks prefetch {mean / 1024:.0f} KB each on average"
-                   + (f", at most {share / 1024:.0f} KB" if on else "")}
-
-
-def _kernel_entry(root: Path, r: Any, kind: str, build: str) -> dict[str, Any]:
-    """Writes one compiled kernel's files (every toolkit's cubin, the PTX) and returns its manifest
-    entry: `kernels/<target>[.prefill][.<build>].cubin` is Triton's own ptxas's, `....cu129.cubin`
-    the older ptxas's (e.g. CUDA 12.9) from the same PTX; `cubins` lists them, preferred first."""
-    from zlc.codegen.aot import check_ptx_sync
-
-    problems = check_ptx_sync(r.ptx)
-    if problems:
-        raise ZlcError(f"{r.target} ({kind} kernel, {build} build): the PTX lacks the memory ordering the "
-                       f"megakernel relies on: {'; '.join(problems)} (a Triton upgrade changed its lowering?)")
-    stem = "kernels/" + r.target + ("" if kind == "decode" else ".prefill") + ("" if build == "release" else f".{build}")
-    (root / f"{stem}.ptx").write_text(r.ptx)
-    cubins = []
-    for i, c in enumerate(r.cubins):
-        path = f"{stem}.cubin" if i == 0 else f"{stem}.cu{c.toolkit.replace('.', '')}.cubin"
-        (root / path).write_bytes(c.cubin)
-        cubins.append(c.entry(path))
-    entry: dict[str, Any] = {
-        "cubin": cubins[0]["cubin"], "ptx": f"{stem}.ptx", "metadata": r.metadata, "params": r.params,
-        "resources": asdict(r.resources), "compile_seconds": round(r.seconds, 3), "arch": r.arch, "cubins": cubins}
-    if r.fallback_skipped:
-        entry["fallback_skipped"] = r.fallback_skipped
-    return entry
 
 
 def _tokenizer(b: Build) -> None:
@@ -398,6 +320,7 @@ def _manifest(b: Build) -> None:
                     **({"Q": decode.q_arena()} if decode.q_size else {})},
         "quantization": b.quantization, "tilings": b.tilings, "targets": b.target_info, "native": b.native,
         "verification": b.verification, "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled by compile()
+        "cache": b.cache.manifest(),  # which libraries and cubins came from the compile cache
     }
     b.report("manifest", "sha256 of every file")
 
@@ -462,19 +385,24 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             dtype: str = "auto", max_seq: int = 2048, tokenizer: str | Path | None = None,
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
-            debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None) -> CompileResult:
+            debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None,
+            cache: bool = True, jobs: int | None = None) -> CompileResult:
     """Compiles `model` (an .onnx or .gguf path, or a torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
     `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
     `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize`: "int8",
-    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py)."""
+    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py). `cache`: take
+    libraries and cubins from the compile cache and store them there (codegen/kcache.py); `jobs`:
+    how many builds (C compilers, Triton compiles) run at once (default: the CPUs this process may use)."""
     tgs = _targets(targets)
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     if max_seq < 1:
         raise ZlcError(f"--max-seq must be positive, got {max_seq}")
+    if jobs is not None and jobs < 1:
+        raise ZlcError(f"--jobs must be positive, got {jobs}")
     if stop_after is not None and stop_after not in COMPILE_STAGE_NAMES:
         raise ZlcError(f"unknown compile stage '{stop_after}'; stages: {', '.join(COMPILE_STAGE_NAMES)}")
     qfmt = scheme_for(quantize, [t.name for t in tgs if t.is_gpu])
@@ -495,21 +423,31 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
               wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32"),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
-              progress=progress, quantize=qfmt)
+              progress=progress, quantize=qfmt, stop_after=stop_after)
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
+    b.cache = _open_cache(cache, b)
+    b.pool = _CountingPool(jobs or len(os.sched_getaffinity(0)), lambda d, n: b.count("libraries and cubins built", d, n))
     try:
         for stage in COMPILE_STAGES:
             t = time.perf_counter()
+            b.stage = stage.name
+            begin = getattr(progress, "begin", None)  # the CLI's: stages start here, whatever jobs report
+            if begin is not None:
+                begin(stage.name)
             stage.run(b)
             secs[stage.name] = time.perf_counter() - t
             if stage.name == stop_after:
+                b.pool.shutdown(wait=True, cancel_futures=True)
                 shutil.rmtree(tmp)
                 secs["total"] = time.perf_counter() - t0
                 return CompileResult(None, b.manifest, secs, b)
     except BaseException:
+        b.pool.shutdown(wait=True, cancel_futures=True)  # no compiler writes into the bundle after this
         shutil.rmtree(tmp, ignore_errors=True)  # a failed compile leaves no half-written bundle
         raise
+    finally:
+        b.pool.shutdown(wait=True, cancel_futures=True)
     b.manifest["compile_seconds"] = {k: round(v, 3) for k, v in secs.items() if k != "total"}
     write_manifest(tmp, b.manifest)
     if outdir.exists():
@@ -517,6 +455,37 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     tmp.rename(outdir)
     secs["total"] = time.perf_counter() - t0
     return CompileResult(outdir, b.manifest, secs, b)
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """The builds' pool, counting the jobs submitted and done (the progress bar of the builds)."""
+
+    def __init__(self, workers: int, on_count: Callable[[int, int], None]) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix="zlc-build")
+        self.on_count, self.submitted, self.done = on_count, 0, 0
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            self.submitted += 1
+        fut = super().submit(fn, *args, **kwargs)
+        fut.add_done_callback(self._one_done)
+        self.on_count(self.done, self.submitted)
+        return fut
+
+    def _one_done(self, _: Any) -> None:
+        with self.lock:
+            self.done += 1
+        self.on_count(self.done, self.submitted)
+
+
+def _open_cache(enabled: bool, b: Build) -> Any:
+    from zlc.codegen.kcache import KernelCache
+
+    try:
+        return KernelCache.open(enabled, say=lambda line: b.report(b.stage or "lower", line))
+    except ValueError as e:  # ZLC_KERNEL_CACHE_SIZE
+        raise ZlcError(str(e)) from None
 
 
 def _targets(names: Sequence[str]) -> list[Target]:

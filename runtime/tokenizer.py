@@ -2,8 +2,9 @@
 ``tokenizers`` library and ``jinja2`` (no ``transformers``).
 
 :func:`bundle_tokenizer` runs at compile time. It takes a ``tokenizer.json``, a Hugging Face model
-directory, or a GGUF file (whose vocabulary ``transformers`` converts to a fast tokenizer) and writes
-two files into the bundle folder:
+directory, or a GGUF file (its vocabulary built with ``tokenizers`` directly, :mod:`.gguf_vocab`, from
+the metadata the shared reader ``zlc.gguf_reader`` reads; Gemma, Phi-3 and unigram vocabularies are
+converted by ``transformers``) and writes two files into the bundle folder:
 
 ``tokenizer.json``
     the ``tokenizers`` serialization, loaded with ``tokenizers.Tokenizer.from_file``;
@@ -23,12 +24,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import struct
 import warnings
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from zlc.errors import ZlcError
 
@@ -232,8 +232,6 @@ DEFAULT_GGUF_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
     "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def _is_gguf(path: Path) -> bool:
@@ -244,67 +242,28 @@ def _is_gguf(path: Path) -> bool:
         raise _err(path, f"cannot read ({e})") from e
 
 
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    """The scalar and string key/value metadata of a GGUF (v2/v3, little-endian) file; arrays (the
-    vocabulary, merges) are skipped. Reads only the header, so it is fast on large files."""
-    size = path.stat().st_size
-
-    def read(f: BinaryIO, fmt: str) -> Any:
-        n = struct.calcsize(fmt)
-        b = f.read(n)
-        if len(b) != n:
-            raise EOFError
-        return struct.unpack(fmt, b)[0]
-
-    def read_str(f: BinaryIO) -> str:
-        n = read(f, "<Q")
-        if n > size:
-            raise ValueError(f"string length {n} beyond the file size")
-        b = f.read(n)
-        if len(b) != n:
-            raise EOFError
-        return b.decode("utf-8", errors="replace")
-
-    def skip_array(f: BinaryIO, atype: int, count: int) -> None:
-        if count > size:
-            raise ValueError(f"array length {count} beyond the file size")
-        if atype in _GGUF_SCALAR:
-            f.seek(count * struct.calcsize(_GGUF_SCALAR[atype]), 1)
-        elif atype == _GGUF_STRING:
-            for _ in range(count):
-                f.seek(read(f, "<Q"), 1)
-        elif atype == _GGUF_ARRAY:
-            for _ in range(count):
-                skip_array(f, read(f, "<I"), read(f, "<Q"))
-        else:
-            raise ValueError(f"unknown array element type {atype}")
-
-    meta: dict[str, Any] = {}
+def _gguf_reader(path: Path) -> Any:
+    """The file's GGUFReader through the reader the GGUF frontend shares (zlc.gguf_reader: a compile
+    that imported the model already holds it)."""
     try:
-        with path.open("rb") as f:
-            if f.read(4) != _GGUF_MAGIC:
-                raise _err(path, "not a GGUF file")
-            version = read(f, "<I")
-            if version not in (2, 3):
-                raise _err(path, f"unsupported GGUF version {version} (zlc reads little-endian v2/v3)")
-            read(f, "<Q")  # tensor count
-            n_kv = read(f, "<Q")
-            if n_kv > size:
-                raise ValueError(f"{n_kv} metadata entries in a {size}-byte file")
-            for _ in range(n_kv):
-                key = read_str(f)
-                vtype = read(f, "<I")
-                if vtype == _GGUF_ARRAY:
-                    skip_array(f, read(f, "<I"), read(f, "<Q"))
-                elif vtype == _GGUF_STRING:
-                    meta[key] = read_str(f)
-                elif vtype in _GGUF_SCALAR:
-                    meta[key] = read(f, _GGUF_SCALAR[vtype])
-                else:
-                    raise ValueError(f"unknown metadata value type {vtype} for {key!r}")
-    except (EOFError, struct.error, ValueError, OverflowError) as e:
-        raise _err(path, f"truncated or corrupt GGUF header ({e or 'unexpected end of file'})") from e
-    return meta
+        from zlc.gguf_reader import open_gguf
+
+        return open_gguf(path)
+    except ImportError as e:
+        raise _err(path, "bundling a GGUF tokenizer needs the gguf package (pip install 'zlc[hf]')") from e
+    except OSError as e:
+        raise _err(path, f"cannot read ({e.strerror or e})") from e
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on a damaged file
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _err(path, f"truncated or corrupt GGUF header ({why})") from e
+
+
+def _gguf_metadata(path: Path) -> dict[str, Any]:
+    """The scalar and string metadata of a GGUF file (arrays, the vocabulary and merges, left out)."""
+    from gguf import GGUFValueType
+
+    reader = _gguf_reader(path)
+    return {k: f.contents() for k, f in reader.fields.items() if f.types and f.types[0] != GGUFValueType.ARRAY}
 
 
 @contextlib.contextmanager
@@ -324,6 +283,54 @@ def _from_gguf(src: Path) -> tuple[Any, dict[str, Any]]:
     meta = _gguf_metadata(src)
     if "tokenizer.ggml.model" not in meta:
         raise _err(src, "GGUF file has no tokenizer (no tokenizer.ggml.model metadata)")
+    from .gguf_vocab import build
+
+    try:
+        tokenizer = build(_gguf_reader(src))
+    except Exception as e:  # a vocabulary the tokenizers library refuses (merges naming unknown tokens, ...)
+        raise _err(src, f"cannot build a tokenizer from this GGUF's vocabulary ({type(e).__name__}: {e})") from e
+    if tokenizer is not None:
+        return tokenizer, _gguf_config(src, meta, tokenizer)
+    return _from_gguf_transformers(src, meta)
+
+
+def _gguf_config(src: Path, meta: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """The bundle's config from the file's metadata, as transformers' conversion would set it."""
+    reader = _gguf_reader(src)
+    from zlc.gguf_reader import field
+
+    tokens = field(reader, "tokenizer.ggml.tokens")
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None and meta.get("tokenizer.ggml.model") == "llama":
+        add_bos = True  # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise
+    named = {"bos_token": token("bos"), "eos_token": token("eos"), "pad_token": token("padding")}
+    return _gguf_finish(tokenizer, meta, named, add_bos, None)
+
+
+def _gguf_finish(tokenizer: Any, meta: dict[str, Any], named: dict[str, str | None], add_bos: Any,
+                 template: str | None) -> dict[str, Any]:
+    config = _infer_config(tokenizer, named, {}, add_bos)
+    # llama.cpp's end-of-turn / end-of-message tokens also end generation
+    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    config["eos_token_ids"] = _valid_ids(
+        [*config["eos_token_ids"], *(i for i in extra if isinstance(i, int))],
+        tokenizer.get_vocab_size(with_added_tokens=True),
+    )
+    if template is None:
+        template = _pick_template(meta.get("tokenizer.chat_template"))
+    if template is None:  # said in one line by the compile's tokenizer stage (docs/cli.md)
+        template, config["chat_template_default"] = DEFAULT_GGUF_CHAT_TEMPLATE, True
+    config["chat_template"] = template
+    return config
+
+
+def _from_gguf_transformers(src: Path, meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Gemma's and Phi-3's SentencePiece variants, unigram vocabularies: transformers' conversion."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
@@ -342,20 +349,7 @@ def _from_gguf(src: Path) -> tuple[Any, dict[str, Any]]:
     tokenizer = Tokenizer.from_str(backend.to_str())
     tokens = {k: _token_str(getattr(hf, k, None)) for k in ("bos_token", "eos_token", "pad_token")}
     add_bos = meta.get("tokenizer.ggml.add_bos_token", getattr(hf, "add_bos_token", None))
-    config = _infer_config(tokenizer, tokens, {}, add_bos)
-    # llama.cpp's end-of-turn / end-of-message tokens also end generation
-    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    config["eos_token_ids"] = _valid_ids(
-        [*config["eos_token_ids"], *(i for i in extra if isinstance(i, int))],
-        tokenizer.get_vocab_size(with_added_tokens=True),
-    )
-    template = _pick_template(getattr(hf, "chat_template", None))
-    if template is None:
-        template = _pick_template(meta.get("tokenizer.chat_template"))
-    if template is None:  # said in one line by the compile's tokenizer stage (docs/cli.md)
-        template, config["chat_template_default"] = DEFAULT_GGUF_CHAT_TEMPLATE, True
-    config["chat_template"] = template
-    return tokenizer, config
+    return tokenizer, _gguf_finish(tokenizer, meta, tokens, add_bos, _pick_template(getattr(hf, "chat_template", None)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ FOLDERS = [("runtime/serve", "zlc.runtime.serve"), ("runtime", "zlc.runtime"), (
 # are independent of each other (codegen and the runtime never import each other).
 LAYERS: list[list[str]] = [
     ["zlc.errors", "zlc.version"],
-    ["zlc.ir", "zlc.bundle"],
+    ["zlc.ir", "zlc.bundle", "zlc.gguf_reader"],  # the formats: the IR, bundles, GGUF files (read)
     ["zlc.reference", "zlc.targets", "zlc.testing"],
     ["zlc.frontend", "zlc.passes"],
     ["zlc.driver"],

@@ -269,8 +269,24 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
     for name, info in man["targets"].items():
         if (line := _cubin_line(info)) is not None:
             out.print(f"cubins {name}: {line}")
+    if (line := _cache_line(man.get("cache"))) is not None:
+        out.print(escape(line))
     if secs:
         out.print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+
+
+def _cache_line(c: dict[str, Any] | None) -> str | None:
+    """Which native libraries and cubins came from the compile cache (bundles before it: None)."""
+    if not c:
+        return None
+    hits, built = c.get("hits", []), c.get("built", [])
+    if not hits and not built:
+        return None
+    where = f"compile cache {c['dir']}" if c.get("dir") else "compile cache"
+    if c.get("off"):
+        return f"{where}: not used ({c['off']}); {len(built)} libraries and cubins built"
+    said = f"{where}: {len(hits)} of {len(hits) + len(built)} libraries and cubins from it"
+    return said + (f" ({', '.join(hits)})" if hits else "") + (f"; built: {', '.join(built)}" if built else "")
 
 
 def _cubin_line(info: dict[str, Any]) -> str | None:

@@ -3,51 +3,102 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from .common import cli, err_console, print_bundle
 
 
 class CompileProgress:
-    """Stage lines on stderr for `zlc compile` (a live status on terminals, plain lines otherwise)."""
+    """`zlc compile`'s progress on stderr: a line per finished stage; on a terminal, a live line
+    with what the stage is doing and a bar inside the stages that count their work (lowering
+    passes, weights packed, libraries and cubins built). Bars and the live line stay off under
+    --json and when stdout is not a terminal (a pipe or a log file gets the stage lines only).
+    Called from the build's job threads too: rich's Progress locks its own updates."""
 
-    def __init__(self) -> None:
-        self.console = err_console()
-        self.status = self.console.status("") if self.console.is_terminal else None
+    def __init__(self, console: Console | None = None, live: bool | None = None) -> None:
+        self.console = console or err_console()
+        if live is None:
+            live = self.console.is_terminal and sys.stdout.isatty()
+        self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(), console=self.console,
+                             transient=True) if live else None
+        self.line: TaskID | None = None
+        self.counts: dict[str, TaskID] = {}
         self.stage: str | None = None
+        self.explicit = False  # begin() marks the stages; else a new stage name in a report does
+        self.lock = threading.Lock()  # the stage's bars change from the build's job threads too
         self.t = self.t0 = time.perf_counter()
 
     def __enter__(self) -> CompileProgress:
-        if self.status is not None:
-            self.status.start()
+        if self.bars is not None:
+            self.bars.start()
+            self.line = self.bars.add_task("", total=None)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.status is not None:
-            self.status.stop()
+        if self.bars is not None:
+            self.bars.stop()
+
+    def begin(self, stage: str) -> None:
+        """A stage starts (zlc.compile calls it before each stage's work)."""
+        self.explicit = True
+        self._switch(stage)
+
+    def _switch(self, stage: str) -> None:
+        now = time.perf_counter()
+        if stage == self.stage:
+            return
+        if self.stage is not None:
+            self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
+        self.stage, self.t = stage, now
+        if self.bars is not None:
+            with self.lock:
+                for task in self.counts.values():  # a stage's bars end with it
+                    self.bars.remove_task(task)
+                self.counts.clear()
+            assert self.line is not None
+            self.bars.update(self.line, description=escape(stage))
 
     def __call__(self, stage: str, detail: str) -> None:
-        now = time.perf_counter()
-        if stage != self.stage:
-            if self.stage is not None:
-                self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
-            self.stage, self.t = stage, now
-        if self.status is not None:
-            self.status.update(f"{escape(stage)}: {escape(detail)}")
+        if not self.explicit:
+            self._switch(stage)
+        if self.bars is not None and self.line is not None:
+            self.bars.update(self.line, description=f"{escape(stage)}: {escape(detail)}")
         # a part of the bundle that could not be built says so on every console, not only in a
-        # live status line that the next stage overwrites
-        if "skipped" in detail or "source only" in detail:
+        # live status line that the next stage overwrites; so does the compile cache
+        if "skipped" in detail or "source only" in detail or detail.startswith("kernel cache"):
             self.console.print(f"  [yellow]{escape(detail)}[/]")
-        elif self.status is None and stage == "aot":
+        elif self.bars is None and stage == "aot":
             self.console.print(f"  {escape(detail)}")
 
+    def count(self, what: str, done: int, total: int) -> None:
+        """`done` of `total` units of `what` inside the running stage: a bar on a live console."""
+        if self.bars is None:
+            return
+        with self.lock:
+            if what not in self.counts:
+                self.counts[what] = self.bars.add_task(escape(what), total=total)
+            self.bars.update(self.counts[what], completed=done, total=total)
+
     def done(self) -> None:
-        self("done", "")
+        self._switch("done")
 
 
 @cli.command("compile")
@@ -74,22 +125,27 @@ class CompileProgress:
               help="Pack the Linear weights (weight-only, GGUF blocks of 32: int8 = q8_0, int4 = q4_0, "
                    "int4:q4_1 with a min per block); the report gives the logit cost on probe prompts. "
                    "The native and the Triton kernel both stream them.")
+@click.option("--no-cache", is_flag=True, help="Build every native library and cubin, neither taking them from "
+              "the compile cache nor storing them there ($ZLC_KERNEL_CACHE, default ~/.cache/zlc/kernels; "
+              "$ZLC_KERNEL_CACHE_SIZE bounds it, default 2G).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Builds (C compilers, Triton compiles) at once [default: the CPUs this process may use].")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
-                quantize: str | None, as_json: bool) -> None:
+                quantize: str | None, no_cache: bool, jobs: int | None, as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
     tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
     from ..targets import get_target
 
     for t in targets:
         get_target(t)  # unknown names fail before any work
-    with CompileProgress() as p:
+    with CompileProgress(live=False if as_json else None) as p:
         from ..build import compile
 
         res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
                       tokenizer=tokenizer, verify=not skip_verify, atol=atol, progress=p, force=force,
-                      debug_waits=debug_waits, quantize=quantize)
+                      debug_waits=debug_waits, quantize=quantize, cache=not no_cache, jobs=jobs)
         p.done()
     assert res.path is not None  # the whole pipeline ran
     if as_json:
@@ -104,4 +160,4 @@ def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Pa
             "targets": {k: {"arch": v["arch"], "resources": v.get("resources"), "roofline": v["roofline"]}
                         for k, v in man["targets"].items()},
             "verification": man["verification"], "quantization": man.get("quantization"),
-            "seconds": secs or man.get("compile_seconds")}
+            "cache": man.get("cache"), "seconds": secs or man.get("compile_seconds")}

@@ -10,13 +10,13 @@ tensor.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zlc.errors import ModelFormatError
+from zlc.gguf_reader import open_gguf
 
 GGUF_MAGIC = b"GGUF"
 
@@ -33,17 +33,15 @@ def is_gguf(path: Any) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=2)
 def _reader(path: str, mtime_ns: int, size: int) -> Any:
-    """GGUFReader of a file version, kept: parsing a real vocabulary's metadata (49k tokens and
-    merges, one numpy view per string) takes seconds, and a compile opens the file several times
-    (import, verify's import, the tokenizer check). The reader is a read-only memory map."""
+    """The file's GGUFReader, shared with the tokenizer stage (zlc.gguf_reader: opened once per
+    file version and kept)."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401
     except ImportError:
         raise ModelFormatError(f"{Path(path).name}: reading a GGUF file needs the gguf package "
                                "(pip install 'zlc[hf]')") from None
-    return GGUFReader(path)
+    return open_gguf(path)
 
 
 def gguf_tokenizer(model: Any) -> Path | None:

@@ -401,13 +401,13 @@ def test_write_tables_matches_the_program(tiny_lowered: Any, tmp_path: Any) -> N
 
 @pytest.mark.parametrize("target", ["a10", "h200", "small-l2"])
 def test_the_l2_prefetch_takes_each_programs_share_of_half_the_l2(tiny_lowered: Any, target: str) -> None:
-    """build.l2_prefetch: one prefetch requests at most half the L2 over the SMs (KiB), so a round
+    """kernel_builds.l2_prefetch: one prefetch requests at most half the L2 over the SMs (KiB), so a round
     of them never overflows that half (the kernel's PREFETCH bytes, the model's cap); a target
     whose share is under the 32 KB a task requests itself before its wait gets none."""
     from dataclasses import replace
 
-    from zlc.build import l2_prefetch
     from zlc.codegen.gemv_plan import PREFETCH_BYTES
+    from zlc.codegen.kernel_builds import l2_prefetch
 
     t = replace(get_target("a10"), l2_mb=2.0) if target == "small-l2" else get_target(target)
     p = _program(tiny_lowered, "h100")

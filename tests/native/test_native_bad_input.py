@@ -103,22 +103,28 @@ def test_cli_run_threads_and_devices(built: Callable[..., Built]) -> None:
 
 @needs_cc
 def test_build_cache(built: Callable[..., Built], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Libraries are cached by content (source less its header line, compiler, flags): a second
-    build of the same program copies them; ZLC_NATIVE_CACHE=none compiles every time."""
-    from zlc.codegen.native import build_native, cache_dir
+    """Libraries are cached by content (source less its header line, compiler, flags), one entry
+    per level: a second build of the same program copies them; ZLC_KERNEL_CACHE=none compiles
+    every time."""
+    from zlc.codegen.kcache import KernelCache
+    from zlc.codegen.native import build_native
 
     b = built("llama")
     p = b.program()
-    monkeypatch.setenv("ZLC_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZLC_KERNEL_CACHE", str(tmp_path / "cache"))
     said: list[str] = []
     first = build_native(p, tmp_path / "a" / "native", weight_dtype="fp32", version="1", progress=said.append)
     p.model = "another-name"  # only the header line changes: the same libraries
-    again = build_native(p, tmp_path / "b" / "native", weight_dtype="fp32", version="2", progress=said.append)
-    assert not said[0].endswith("(cached)") and said[1].endswith("(cached)")
+    cache = KernelCache.open()
+    again = build_native(p, tmp_path / "b" / "native", weight_dtype="fp32", version="2", progress=said.append,
+                         cache=cache)
+    assert "(cached)" not in said[0] and said[-1].count("(cached)") == len(first.levels)
+    assert cache.manifest()["hits"] == sorted(f"native/{lv}.so" for lv in first.levels)
     for lv in first.levels:
         assert (tmp_path / "a" / "native" / f"{lv}.so").read_bytes() == (tmp_path / "b" / "native" / f"{lv}.so").read_bytes()
     assert again.levels == first.levels
+    said.clear()
     build_native(p, tmp_path / "c" / "native", weight_dtype="bf16", version="2", progress=said.append)
-    assert not said[2].endswith("(cached)")  # another source
-    monkeypatch.setenv("ZLC_NATIVE_CACHE", "none")
-    assert cache_dir() is None
+    assert "(cached)" not in said[0]  # another source
+    monkeypatch.setenv("ZLC_KERNEL_CACHE", "none")
+    assert not KernelCache.open().on
