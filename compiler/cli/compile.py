@@ -51,7 +51,7 @@ class CompileProgress:
 
 
 @cli.command("compile")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+@click.argument("model", type=click.Path(path_type=Path), metavar="MODEL")
 @click.option("--target", "targets", multiple=True, metavar="NAME",
               help="a10 a100 l4 rtx3090 rtx4090 h100 h200 cpu; repeat for several (default: cpu).")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -61,7 +61,8 @@ class CompileProgress:
 @click.option("--max-seq", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Positions the KV cache and rotary tables hold.")
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,
-              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
+              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle (default: the "
+                   "GGUF file's or the checkpoint directory's own).")
 @click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Max abs logit error the check allows (default by the model's dtype: f32 1e-3, f16 2e-2, "
@@ -79,7 +80,9 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
                 quantize: str | None, as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
-    tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
+    tables, weights, tokenizer and a manifest. MODEL: an ONNX or GGUF file, or a Hugging Face checkpoint
+    directory. Checks the lowered model first (against ONNX Runtime; a GGUF file or a checkpoint
+    directory against its imported graph)."""
     from ..targets import get_target
 
     for t in targets:
