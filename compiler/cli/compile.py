@@ -57,7 +57,8 @@ class CompileProgress:
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Bundle directory (default: MODEL's stem + .zlc, in the current directory).")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="Weight dtype; auto: bf16 when a GPU target is named, else fp32. Math is f32.")
+              help="Weight dtype; auto: bf16 when a GPU target is named or a checkpoint directory's weights "
+                   "are bf16, else fp32. Math is f32.")
 @click.option("--max-seq", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Positions the KV cache and rotary tables hold.")
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from zlc.errors import ModelFormatError, ZlcError
-from zlc.ir import Graph
 
-from .gguf import _Builder
-from .hf_config import NATIVE, Config, hf_name, hparams, spec_for
+if TYPE_CHECKING:  # the checks below (is_checkpoint_dir, checkpoint_dtype) import neither torch nor the IR
+    import numpy as np
+
+    from zlc.ir import Graph
+
+    from .hf_config import Config
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -45,7 +46,31 @@ def checkpoint_tokenizer(model: Any) -> Path | None:
     return Path(model) if is_checkpoint_dir(model) and (Path(model) / "tokenizer.json").is_file() else None
 
 
+def checkpoint_dtype(model: Any) -> str | None:
+    """The safetensors dtype of a checkpoint directory's token embedding ("BF16", "F16", "F32"),
+    read from the file's header only; None for anything else or an unreadable directory."""
+    if not is_checkpoint_dir(model):
+        return None
+    try:
+        from safetensors import safe_open
+
+        p = Path(model)
+        index = p / INDEX
+        name = "model.embed_tokens.weight"
+        files = ([p / json.loads(index.read_text())["weight_map"][name]] if index.is_file()
+                 else sorted(p.glob("*.safetensors")))
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                if name in h.keys():
+                    return str(h.get_slice(name).get_dtype())
+    except Exception:  # the frontend reports a damaged directory in one line when it builds it
+        return None
+    return None
+
+
 def read_config(path: Path) -> Config:
+    from .hf_config import Config
+
     where = path.name
     if not path.is_dir():
         raise ModelFormatError(f"{path}: not a directory")
@@ -133,6 +158,8 @@ class Checkpoint:
     def weight(self, name: str, shape: tuple[int, ...]) -> Any:
         """GGUF-named tensor `name` as a torch tensor over the mapped file, its shape checked."""
 
+        from .hf_config import hf_name
+
         if name == "rope_freqs.weight" and self._factors is not None:  # Llama 3 scaling (hf_config.llama3_factors)
             return self._factors
         hf = hf_name(self.arch, name)
@@ -157,6 +184,8 @@ class _GgufView:
         self.ck = ck
 
     def __contains__(self, name: object) -> bool:
+        from .hf_config import hf_name
+
         if name == "rope_freqs.weight":
             return self.ck._factors is not None
         return isinstance(name, str) and hf_name(self.ck.arch, name) in self.ck._where
@@ -164,6 +193,9 @@ class _GgufView:
 
 def import_hf_dir(path: str | Path, max_seq: int = 2048) -> Graph:
     """The IR of a checkpoint directory: input_ids [1, seq] -> logits [1, seq, vocab]."""
+    from .gguf import _Builder
+    from .hf_config import NATIVE, hparams, spec_for
+
     p = Path(path)
     c = read_config(p)
     model_type = c.get("model_type")
@@ -187,6 +219,8 @@ def import_hf_dir(path: str | Path, max_seq: int = 2048) -> Graph:
 
 def _torch_route(p: Path, c: Config, model_type: str) -> Graph:
     """A model type the builder does not know: transformers loads it (f32) and torch.export traces it."""
+    from .hf_config import NATIVE
+
     try:
         import torch
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

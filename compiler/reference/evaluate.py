@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterable
 import torch
 
 from zlc.errors import IRError, ShapeError, ZlcError
-from zlc.ir import Node, Value
+from zlc.ir import DType, Node, Value
 
 from .kernels import KERNELS, const_tensor
 
 Env = dict[int, torch.Tensor]  # id(value) -> its tensor
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def has_kernel(op: str) -> bool:
@@ -62,6 +63,8 @@ def evaluate(nodes: Iterable[Node], env: Env, *, fetch: Callable[[Value], torch.
             t = env.get(id(v))
             if t is None:
                 t = env[id(v)] = fetch(v)
+            if t.dtype in _HALF and v.is_const and v.dtype == DType.f32:  # executor.in_f32's shared half weights
+                t = t.float()
             args.append(t)
         for o, t in zip(node.outputs, run_node(node, args), strict=True):
             env[id(o)] = t
