@@ -14,6 +14,7 @@ module in f32); anything else is one error line naming the architecture.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,16 @@ def read_config(path: Path) -> Config:
     return Config(d, f"{where}/{CONFIG}")
 
 
+@functools.lru_cache(maxsize=16)
+def _open(path: str, mtime_ns: int, size: int) -> Any:
+    """One safetensors file of a version, opened once: each handle maps the file anew, and a page
+    of the weights counts in the resident set once per mapping that touched it (a compile lowers
+    the model twice: the build and its verification)."""
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt")
+
+
 class Checkpoint:
     """The weights of a checkpoint directory, by the GGUF tensor names the builder asks for.
 
@@ -95,8 +106,6 @@ class Checkpoint:
     frontend = "hf"
 
     def __init__(self, path: Path, config: Config, arch: str, rope_factors: np.ndarray | None):
-        from safetensors import safe_open
-
         self.path, self.config, self.arch = path, config, arch
         self.name = self.stem = path.resolve().name
         self._factors = rope_factors
@@ -105,7 +114,8 @@ class Checkpoint:
         self._open: list[Any] = []
         for f in files:
             try:
-                h = safe_open(str(f), framework="pt")
+                st = f.stat()
+                h = _open(str(f.resolve()), st.st_mtime_ns, st.st_size)
             except Exception as e:  # safetensors_rust.SafetensorError: a damaged header
                 raise self.error(f"{f.name}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
             self._open.append(h)
