@@ -36,7 +36,7 @@ from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
-from .frontend.hf_dir import checkpoint_dtype, checkpoint_tokenizer, is_checkpoint_dir
+from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
@@ -487,7 +487,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             raise QuantizeError(f"--quantize: {Path(model).name} is already quantized ('{quantized[0]}' is "
                                 f"{quantized[1]}); compile it without --quantize")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
-    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template, a checkpoint directory holds them
+    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template, a checkpoint holds them
         tokenizer = gguf_tokenizer(model) or checkpoint_tokenizer(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
@@ -496,7 +496,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
-              wdtype=dtype if dtype != "auto" else _auto_dtype(model, tgs),
+              wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else auto_wdtype(model)),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
               progress=progress, quantize=qfmt)
     secs: dict[str, float] = {}
@@ -520,12 +520,6 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     tmp.rename(outdir)
     secs["total"] = time.perf_counter() - t0
     return CompileResult(outdir, b.manifest, secs, b)
-
-
-def _auto_dtype(model: Any, targets: list[Target]) -> str:
-    """--dtype auto: bf16 for GPU targets, and for a bf16 checkpoint directory (its weights are
-    bf16 already: an fp32 arena would double their bytes and change nothing); else fp32."""
-    return "bf16" if any(t.is_gpu for t in targets) or checkpoint_dtype(model) == "BF16" else "fp32"
 
 
 def _targets(names: Sequence[str]) -> list[Target]:

@@ -151,7 +151,7 @@ def rope_tables(hp: HParams, rows: int, theta: float, linear: float,
     return ang.cos().numpy(), ang.sin().numpy()
 
 
-class _Builder:
+class GraphBuilder:
     """The graph of `f`: a GgufFile, or a source with its interface (hf_dir.Checkpoint: a Hugging
     Face checkpoint directory, built with that family's `spec`; its `half` dtype, if any, is the
     graph's: the rotary tables and scalars are rounded to it, as Hugging Face rounds them)."""
@@ -336,4 +336,4 @@ def import_gguf(path: str | Path, max_seq: int = 2048) -> Graph:
     """The IR of a GGUF model: input_ids [1, seq] -> logits [1, seq, vocab], rotary tables for
     `max_seq` positions."""
     f, hp = read_gguf(path)
-    return _Builder(f, hp, max_seq).build()
+    return GraphBuilder(f, hp, max_seq).build()

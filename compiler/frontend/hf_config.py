@@ -1,5 +1,5 @@
 """What a Hugging Face checkpoint's config.json means for the transformer-level builder that the
-GGUF frontend uses (gguf._Builder): the GGUF architecture a `model_type` builds as, the tensor
+GGUF frontend uses (gguf.GraphBuilder): the GGUF architecture a `model_type` builds as, the tensor
 names of each, and the hyper-parameters (gguf.HParams) read from the config as transformers
 reads them (transformers 4 keys `rope_theta`/`rope_scaling`, transformers 5 `rope_parameters`,
 per layer type for Gemma 3).

@@ -2,7 +2,7 @@
 weights (one `*.safetensors` file, or shards listed by `model.safetensors.index.json`) -> the IR.
 
 The families the GGUF frontend builds (hf_config.NATIVE: llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3_text, phi3) are built the same way, by gguf._Builder: the transformer-level graph
+gemma2, gemma3_text, phi3) are built the same way, by gguf.GraphBuilder: the transformer-level graph
 from the config's architecture, no trace. Each weight is the safetensors file's memory map
 (`safe_open(framework="pt")` hands out tensors over the mapped file): no copy, no f32 widening. A
 bf16 or f16 checkpoint gives a graph in that dtype (activations too, as Hugging Face runs it;
@@ -67,6 +67,12 @@ def checkpoint_dtype(model: Any) -> str | None:
     except Exception:  # the frontend reports a damaged directory in one line when it builds it
         return None
     return None
+
+
+def auto_wdtype(model: Any) -> str:
+    """`zlc compile --dtype auto`'s weight dtype for CPU targets: bf16 for a bf16 checkpoint
+    directory (an fp32 arena would double its bytes and change no value), else fp32."""
+    return "bf16" if checkpoint_dtype(model) == "BF16" else "fp32"
 
 
 def read_config(path: Path) -> Config:
@@ -203,7 +209,7 @@ class _GgufView:
 
 def import_hf_dir(path: str | Path, max_seq: int = 2048) -> Graph:
     """The IR of a checkpoint directory: input_ids [1, seq] -> logits [1, seq, vocab]."""
-    from .gguf import _Builder
+    from .gguf import GraphBuilder
     from .hf_config import NATIVE, hparams, spec_for
 
     p = Path(path)
@@ -222,7 +228,7 @@ def import_hf_dir(path: str | Path, max_seq: int = 2048) -> Graph:
     spec = spec_for(arch)
     spec = type(spec)(**{**spec.__dict__, "activation": act})
     ck = Checkpoint(p, c, arch, factors)
-    g = _Builder(ck, hp, max_seq, spec).build()
+    g = GraphBuilder(ck, hp, max_seq, spec).build()
     g.metadata["hf"].update(model_type=model_type, dtype=str(ck.dtype).removeprefix("torch."))
     return g
 
