@@ -14,6 +14,7 @@ module in f32); anything else is one error line naming the architecture.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -131,6 +132,7 @@ class Checkpoint:
             raise self.error("tensor 'model.embed_tokens.weight' is missing (the weights are not a "
                              f"{config.d.get('model_type')} causal LM's)")
         self.dtype = self._dtype("model.embed_tokens.weight")
+        self.used: set[str] = set()  # the Hugging Face tensors the builder read
         # tensors the builder may ask for: GGUF name -> HF name (membership is what `in` checks)
         self.tensors = _GgufView(self)
 
@@ -183,6 +185,7 @@ class Checkpoint:
             raise self.error(f"tensor '{hf}' is missing (the {self.config.d.get('model_type')} architecture needs it)")
         dt = self._dtype(hf)
         t = self._where[hf].get_tensor(hf)
+        self.used.add(hf)
         if tuple(t.shape) != tuple(shape):
             raise self.error(f"tensor '{hf}' has shape {list(t.shape)} but config.json implies {list(shape)}")
         if self.arch.startswith("gemma") and name.endswith("norm.weight"):  # Hugging Face's Gemma norm: x * (1 + w)
@@ -228,7 +231,14 @@ def import_hf_dir(path: str | Path, max_seq: int = 2048) -> Graph:
     spec = spec_for(arch)
     spec = type(spec)(**{**spec.__dict__, "activation": act})
     ck = Checkpoint(p, c, arch, factors)
+    if hp.window >= max_seq:  # a window no sequence reaches (Mistral's 4096 at --max-seq 2048): none
+        hp = dataclasses.replace(hp, window=0, local_layers=tuple(False for _ in hp.local_layers))
     g = GraphBuilder(ck, hp, max_seq, spec).build()
+    # a tensor the graph does not read is a feature it would silently drop (an MLP bias, a norm's bias)
+    unused = sorted(n for n in set(ck._where) - ck.used if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ck.error(f"tensor '{unused[0]}' ({len(unused)} unused in all) is not part of the {model_type} "
+                       "graph zlc builds; the checkpoint has a feature it does not support")
     g.metadata["hf"].update(model_type=model_type, dtype=str(ck.dtype).removeprefix("torch."))
     return g
 

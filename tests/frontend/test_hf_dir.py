@@ -242,6 +242,12 @@ def test_unsupported_dtypes_and_settings_are_named(llama_dir: Path, tmp_path: Pa
     assert torch is not None
 
 
+def test_a_tensor_the_graph_would_drop_is_named(tmp_path: Path) -> None:
+    """Llama with MLP biases: the gated MLP has none, so the checkpoint is refused, not run without them."""
+    d, _ = _save("llama", tmp_path / "mlp_bias", mlp_bias=True)
+    assert "tensor 'model.layers.0.mlp.down_proj.bias' (6 unused in all) is not part of the llama graph" in _error(d)
+
+
 def test_inspect_names_a_directory_that_is_neither_bundle_nor_checkpoint(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
