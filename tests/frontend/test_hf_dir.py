@@ -171,6 +171,20 @@ def test_zlc_compile_dir_runs_hugging_faces_greedy_tokens_on_the_native_kernel(t
     assert json.loads(res.stdout)["generated"] == hf_greedy(model, PROMPT, NEW_TOKENS)
 
 
+def test_verify_and_inspect_take_a_checkpoint_directory(llama_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from zlc.cli import cli
+
+    res = CliRunner().invoke(cli, ["verify", str(llama_dir), "--steps", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["ok"] and rep["oracle"] == "zlc reference in f32 on the imported checkpoint graph (no KV cache)"
+    res = CliRunner().invoke(cli, ["inspect", str(llama_dir), "--ir", "--after", "import", "--max-seq", "64"])
+    assert res.exit_code == 0, res.output
+    assert "Attention" in res.stdout and "blk.1.ffn_down.weight" in res.stdout
+
+
 @pytest.mark.slow
 def test_a_bf16_checkpoint_compiles_to_bf16_weights_on_the_native_kernel(tmp_path: Path) -> None:
     d, model = _save("gemma2", tmp_path / "gemma2", "bfloat16")
