@@ -45,6 +45,7 @@ from .bundle import write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
+from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
@@ -147,7 +148,8 @@ def _verify(b: Build) -> None:
     megakernel_fit(b.lowered.decode, b.max_seq).check(b.name)
     if not b.verify:
         return
-    b.report("verify", ("against its imported graph" if is_gguf(b.model) else "against ONNX Runtime")
+    b.report("verify", ("against its imported graph" if is_gguf(b.model) or is_checkpoint_dir(b.model)
+                        else "against ONNX Runtime")
              if isinstance(b.model, (str, Path)) else "against the module")
     b.verification = check_lowered(b.model, b.example_inputs, b.lowered, b.atol)
     if not b.verification["ok"]:
@@ -387,7 +389,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             name: str | None = None, progress: Progress | None = None, force: bool = False,
             debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None,
             cache: bool = True, jobs: int | None = None) -> CompileResult:
-    """Compiles `model` (an .onnx or .gguf path, or a torch.nn.Module with example_inputs) into a bundle
+    """Compiles `model` (an .onnx or .gguf path, a Hugging Face checkpoint directory, or a
+    torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
     (exit code 3) when the lowered model does not match its reference. `debug_waits` builds the
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
@@ -412,8 +415,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             raise QuantizeError(f"--quantize: {Path(model).name} is already quantized ('{quantized[0]}' is "
                                 f"{quantized[1]}); compile it without --quantize")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
-    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template
-        tokenizer = gguf_tokenizer(model)
+    if tokenizer is None:  # a GGUF file carries its tokenizer and chat template, a checkpoint holds them
+        tokenizer = gguf_tokenizer(model) or checkpoint_tokenizer(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
     _prepare_out(outdir, force)
     tmp = outdir.with_name(outdir.name + ".partial")
@@ -421,7 +424,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
-              wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else "fp32"),
+              wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else auto_wdtype(model)),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
               progress=progress, quantize=qfmt, stop_after=stop_after)
     secs: dict[str, float] = {}

@@ -138,10 +138,15 @@ Observer = Callable[[str, Graph], None]
 
 
 def load_model(model: Any, example_inputs: tuple[Any, ...] | None = None, *, max_seq: int = 2048) -> Graph:
-    """An ONNX or GGUF path, an ONNX ModelProto, or a torch.nn.Module with example inputs
-    (torch.export). `max_seq`: the positions a GGUF model's rotary tables hold."""
+    """An ONNX or GGUF path, a Hugging Face checkpoint directory (config.json + safetensors), an
+    ONNX ModelProto, or a torch.nn.Module with example inputs (torch.export). `max_seq`: the
+    positions a GGUF or checkpoint model's rotary tables hold."""
     if isinstance(model, (str, os.PathLike)):
         p = Path(model)
+        if p.is_dir():
+            from zlc.frontend.hf_dir import import_hf_dir
+
+            return import_hf_dir(p, max_seq)
         if p.suffix.lower() not in (".onnx", "") and not p.is_file():
             raise ZlcError(f"model file not found: {p}")
         from zlc.frontend.gguf_file import is_gguf

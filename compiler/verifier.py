@@ -49,6 +49,8 @@ ORT = "ONNX Runtime"
 #: A GGUF file's oracle: its imported graph (no KV cache) on the reference executor, each step rerun
 #: over the whole sequence; Hugging Face on the same weights is the tests' oracle (tests/frontend/test_gguf.py).
 GGUF_ORACLE = "zlc reference in f32 on the imported GGUF graph (no KV cache)"
+#: A checkpoint directory's: the same, on the graph built from its config and weights.
+HF_DIR_ORACLE = "zlc reference in f32 on the imported checkpoint graph (no KV cache)"
 
 
 def default_atol(dtype: str) -> float:
@@ -241,8 +243,8 @@ def _errors(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
 def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None, prompt_len: int = 8,
            steps: int = 32, atol: float | None = None, max_seq: int | None = None, seed: int = 0,
            options: CompileOptions | None = None, observer: Observer | None = None) -> VerifyReport:
-    """Compares zlc against ONNX Runtime on `model` (an .onnx path; a GGUF file: against its
-    imported graph without a KV cache, GGUF_ORACLE); for bf16 models (and f16 ones
+    """Compares zlc against ONNX Runtime on `model` (an .onnx path; a GGUF file or a checkpoint
+    directory: against its imported graph without a KV cache, GGUF_ORACLE, HF_DIR_ORACLE); for bf16 models (and f16 ones
     ONNX Runtime cannot run), against the imported graph in f32 on the reference executor. `atol`
     defaults by the model's dtype (DEFAULT_ATOL). Raises ZlcError on bad input; the report's `ok`
     says whether it passed. `observer` sees each lowering stage (progress)."""
@@ -272,9 +274,13 @@ def verify(model: str | os.PathLike[str], *, prompt_ids: list[int] | None = None
     ref: OrtReference | F32Reference
     oracle = ORT
     from zlc.frontend.gguf_file import is_gguf
+    from zlc.frontend.hf_dir import is_checkpoint_dir
 
     if is_gguf(path):  # no ONNX model to run: the imported transformer-level graph, stateless
         oracle = GGUF_ORACLE
+        ref = F32Reference(seen["import"], path.name)
+    elif is_checkpoint_dir(path):  # the same for a checkpoint directory (Hugging Face is the tests' oracle)
+        oracle = HF_DIR_ORACLE
         ref = F32Reference(seen["import"], path.name)
     elif dtype == "bf16":
         oracle = "zlc reference in f32 (ONNX Runtime has no bf16 kernels)"
@@ -357,7 +363,8 @@ def check_lowered(model: Any, example_inputs: Any, lowered: Lowered, atol: float
     """`zlc compile`'s verify stage: the lowered model against its source: ONNX Runtime for an .onnx file (a 4-step `zlc verify`),
     else the torch module itself, teacher-forced with its own greedy tokens: prefill of the example
     prompt, then `steps` decode steps on the synthesized KV cache, each against the module's logits."""
-    if isinstance(model, (str, Path)) and Path(model).is_file():  # ONNX Runtime; GGUF: its imported graph
+    # ONNX Runtime; GGUF, checkpoint directory: its imported graph
+    if isinstance(model, (str, Path)) and (Path(model).is_file() or Path(model).is_dir()):
         rep = verify(model, steps=steps, prompt_len=8, atol=atol, max_seq=64)
         return {"status": "passed" if rep.ok else "failed", "ok": rep.ok,
                 "reference": "onnxruntime" if rep.oracle == "ONNX Runtime" else "zlc reference in f32",

@@ -131,8 +131,9 @@ def _silence_stdout() -> None:
 def cli(debug: bool) -> None:
     """zlc: a static-graph fusion compiler for transformer LLMs.
 
-    MODEL is an ONNX file of a decoder-only LM (token ids -> logits; stateless, Optimum-style
-    KV-cache or onnxruntime-genai-style graphs).
+    MODEL is a decoder-only LM (token ids -> logits): an ONNX file (stateless, Optimum-style
+    KV-cache or onnxruntime-genai-style graphs), a llama.cpp GGUF file, or a Hugging Face
+    checkpoint directory (config.json + *.safetensors, with its tokenizer.json).
     """
     _settings["debug"] = debug
     if not debug:
@@ -158,7 +159,20 @@ class IdList(click.ParamType):
         return ids
 
 
-MODEL = click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+MODEL = click.argument("model", type=click.Path(path_type=Path), metavar="MODEL")
+
+
+def is_bundle_arg(path: Path) -> bool:
+    """Whether a MODEL|BUNDLE argument is a bundle: a directory that is not a Hugging Face
+    checkpoint (config.json); one that is neither is refused here in one line."""
+    if not path.is_dir() or (path / "manifest.json").is_file():
+        return path.is_dir()
+    if (path / "config.json").is_file():  # hf_dir.is_checkpoint_dir, without importing the frontend here
+        return False
+    raise ZlcError(f"{path} is neither a zlc bundle (no manifest.json) nor a Hugging Face checkpoint "
+                   "directory (no config.json)")
+
+
 MAX_SEQ = click.option("--max-seq", type=click.IntRange(min=1), default=None,
                        help="Positions the KV cache and rotary tables hold.")
 

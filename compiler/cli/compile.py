@@ -102,17 +102,19 @@ class CompileProgress:
 
 
 @cli.command("compile")
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), metavar="MODEL")
+@click.argument("model", type=click.Path(path_type=Path), metavar="MODEL")
 @click.option("--target", "targets", multiple=True, metavar="NAME",
               help="a10 a100 l4 rtx3090 rtx4090 h100 h200 cpu; repeat for several (default: cpu).")
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Bundle directory (default: MODEL's stem + .zlc, in the current directory).")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
-              help="Weight dtype; auto: bf16 when a GPU target is named, else fp32. Math is f32.")
+              help="Weight dtype; auto: bf16 when a GPU target is named or a checkpoint directory's weights "
+                   "are bf16, else fp32. Math is f32.")
 @click.option("--max-seq", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Positions the KV cache and rotary tables hold.")
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path), default=None,
-              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle.")
+              help="tokenizer.json, a Hugging Face model directory, or a GGUF file to bundle (default: the "
+                   "GGUF file's or the checkpoint directory's own).")
 @click.option("--skip-verify", is_flag=True, help="Do not check the lowered model against ONNX Runtime.")
 @click.option("--atol", type=click.FloatRange(min=0), default=None,
               help="Max abs logit error the check allows (default by the model's dtype: f32 1e-3, f16 2e-2, "
@@ -135,7 +137,9 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
                 quantize: str | None, no_cache: bool, jobs: int | None, as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
-    tables, weights, tokenizer and a manifest. Checks the lowered model against ONNX Runtime first."""
+    tables, weights, tokenizer and a manifest. MODEL: an ONNX or GGUF file, or a Hugging Face checkpoint
+    directory. Checks the lowered model first (against ONNX Runtime; a GGUF file or a checkpoint
+    directory against its imported graph)."""
     from ..targets import get_target
 
     for t in targets:

@@ -19,6 +19,7 @@ from .common import (
     STAGE_NAMES,
     cli,
     histogram_table,
+    is_bundle_arg,
     out_console,
     print_bundle,
     progress,
@@ -63,7 +64,7 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
             raise ZlcError(f"--kernel reads a compiled bundle; {model} is not one (run `zlc compile` first)")
         _inspect_kernel(model, list(targets) or None, context, as_json)
         return
-    if model.is_dir():
+    if is_bundle_arg(model):
         _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
                         show_ir)
         return

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 
 from ..errors import ZlcError
-from .common import MAX_SEQ, IdList, cli, err_console, progress
+from .common import MAX_SEQ, IdList, cli, err_console, is_bundle_arg, progress
 
 
 @cli.command()
@@ -44,14 +44,15 @@ from .common import MAX_SEQ, IdList, cli, err_console, progress
 def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
         device: str, threads: int | None, pin: bool, temperature: float, top_p: float, seed: int,
         eos: int | None, max_seq: int | None, as_json: bool) -> None:
-    """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX or GGUF MODEL and generate with the
+    """Generate from a compiled BUNDLE (the megakernel) or lower an ONNX or GGUF MODEL (or a checkpoint
+    directory) and generate with the
     CPU reference executor (one IR node at a time: what the compiled model computes, not how fast).
 
     With --prompt the text streams as it is produced; with --prompt-ids the new ids are printed.
     """
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    if model.is_dir():
+    if is_bundle_arg(model):
         if max_seq is not None:
             raise click.UsageError("--max-seq is fixed when a bundle is compiled (zlc compile --max-seq)")
         _run_bundle(model, prompt, prompt_ids, raw, max_new_tokens, device, threads, pin, temperature, top_p,

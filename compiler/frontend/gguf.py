@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ import torch
 from zlc.ir import Graph, Value
 from zlc.ir.types import DType, TensorType
 
-from .gguf_arch import ARCHITECTURES
+from .gguf_arch import ARCHITECTURES, ArchSpec
 from .gguf_file import GgufFile
 
 
@@ -150,11 +151,16 @@ def rope_tables(hp: HParams, rows: int, theta: float, linear: float,
     return ang.cos().numpy(), ang.sin().numpy()
 
 
-class _Builder:
-    def __init__(self, f: GgufFile, hp: HParams, max_seq: int):
+class GraphBuilder:
+    """The graph of `f`: a GgufFile, or a source with its interface (hf_dir.Checkpoint: a Hugging
+    Face checkpoint directory, built with that family's `spec`; its `half` dtype, if any, is the
+    graph's: the rotary tables and scalars are rounded to it, as Hugging Face rounds them)."""
+
+    def __init__(self, f: Any, hp: HParams, max_seq: int, spec: ArchSpec | None = None):
         self.f, self.hp = f, hp
-        self.spec = ARCHITECTURES[f.arch]
-        self.g = Graph(Path(f.name).stem.replace(".", "_") or "gguf")
+        self.spec = spec or ARCHITECTURES[f.arch]
+        self.g = Graph(getattr(f, "stem", Path(f.name).stem).replace(".", "_") or "gguf")
+        self.half = getattr(f, "half", None)  # torch dtype of a half-precision graph, else None (f32)
         self.max_seq = max_seq
         self.packed: dict[str, str] = {}  # constant -> its format (metadata["gguf"]["packed"])
         self.dense: dict[str, str] = {}  # matrix constant -> why it is not packed
@@ -171,7 +177,9 @@ class _Builder:
         if q is None:
             w = self.f.weight(name, shape)
             self.dense[as_name] = why
-            return self.g.add_const(as_name, np.ascontiguousarray(w if rows is None else w[rows]))
+            if rows is not None:  # a row permutation or split: a view where rows are a slice
+                w = w[rows] if isinstance(rows, slice) or isinstance(w, np.ndarray) else w[torch.from_numpy(rows)]
+            return self.g.add_const(as_name, np.ascontiguousarray(w) if isinstance(w, np.ndarray) else w)
         if rows is not None:
             q = q.rows(rows)
         v = self.g.add_const(as_name, q.dequantize().reshape(q.n, q.k))
@@ -199,15 +207,20 @@ class _Builder:
         f, hp = self.f, self.hp
         factors = f.weight("rope_freqs.weight", (hp.rope_dim // 2,)) if "rope_freqs.weight" in f.tensors else None
         cos, sin = rope_tables(hp, self.max_seq, theta, linear, factors)
-        return self.g.add_const(f"{name}.cos", cos), self.g.add_const(f"{name}.sin", sin)
+        return self.g.add_const(f"{name}.cos", self.table(cos)), self.g.add_const(f"{name}.sin", self.table(sin))
+
+    def table(self, a: np.ndarray) -> Any:
+        """An f32 table or scalar the builder computes, in the graph's dtype."""
+        return a if self.half is None else torch.from_numpy(np.asarray(a)).to(self.half)
 
     def build(self) -> Graph:
         g, hp, f = self.g, self.hp, self.f
         for t in ("rope_factors_long.weight", "rope_factors_short.weight"):
             if t in f.tensors:
                 raise f.error(f"tensor '{t}': LongRoPE scaling is not supported")
-        g.metadata["frontend"] = "gguf"
-        g.metadata["gguf"] = {"architecture": f.arch, "context_length": hp.context,
+        source = getattr(f, "frontend", "gguf")
+        g.metadata["frontend"] = source
+        g.metadata[source] = {"architecture": f.arch, "context_length": hp.context,
                               "packed": self.packed, "dense": self.dense}
         ids = g.add_input("input_ids", TensorType(DType.i64, (1, "seq")))
         # the token table stays in the file's blocks where they are packed: the native kernel
@@ -215,7 +228,7 @@ class _Builder:
         embed = self.matrix("token_embd.weight", (hp.vocab, hp.hidden))
         x = g.op("Embedding", embed, ids)
         if self.spec.embed_scale:  # Gemma: llama.cpp's graph scales, as HF does (the scalar in f32)
-            x = g.op("Mul", x, g.add_const("embed_scale", np.array(hp.hidden ** 0.5, dtype=np.float32)))
+            x = g.op("Mul", x, g.add_const("embed_scale", self.table(np.array(hp.hidden ** 0.5, dtype=np.float32))))
         pos = g.op("Positions", ids)  # 0..T-1; KV-cache synthesis gives it the cache's past length
         tables = {False: self.rope("rope", hp.rope_theta, hp.rope_linear)}
         if hp.rope_theta_local is not None and any(hp.local_layers):  # Gemma 3: local layers, own base, unscaled
@@ -323,4 +336,4 @@ def import_gguf(path: str | Path, max_seq: int = 2048) -> Graph:
     """The IR of a GGUF model: input_ids [1, seq] -> logits [1, seq, vocab], rotary tables for
     `max_seq` positions."""
     f, hp = read_gguf(path)
-    return _Builder(f, hp, max_seq).build()
+    return GraphBuilder(f, hp, max_seq).build()

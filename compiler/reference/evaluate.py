@@ -10,11 +10,15 @@ from collections.abc import Callable, Iterable
 import torch
 
 from zlc.errors import IRError, ShapeError, ZlcError
-from zlc.ir import Node, Value
+from zlc.ir import DType, Node, Value
 
 from .kernels import KERNELS, const_tensor
 
 Env = dict[int, torch.Tensor]  # id(value) -> its tensor
+_HALF = (torch.float16, torch.bfloat16)
+# a constant whose graph dtype is wider than its data (executor.in_f32 / in_f64 share the weights):
+# widened, exactly, where a node reads it
+_NARROWER = {DType.f32: _HALF, DType.f64: (*_HALF, torch.float32)}
 
 
 def has_kernel(op: str) -> bool:
@@ -62,6 +66,8 @@ def evaluate(nodes: Iterable[Node], env: Env, *, fetch: Callable[[Value], torch.
             t = env.get(id(v))
             if t is None:
                 t = env[id(v)] = fetch(v)
+            if v.is_const and t.dtype in _NARROWER.get(v.dtype, ()):  # executor.in_f32/in_f64's shared weights
+                t = t.to(v.dtype.torch)
             args.append(t)
         for o, t in zip(node.outputs, run_node(node, args), strict=True):
             env[id(o)] = t

@@ -78,7 +78,8 @@ HALF = ("f16", "bf16")
 
 def in_f32(graph: Graph, *, rounding: Iterable[str] = ()) -> Graph:
     """A copy of `graph` that computes in f32 on the same weights: every f16/bf16 value (inputs,
-    constants, state, node outputs) becomes f32, half constants are widened exactly, and casts or
+    constants, state, node outputs) becomes f32, half constants are widened exactly where they are
+    read (evaluate.py; the copy shares the weights), and casts or
     dtype attributes naming a half type name f32. A half model run this way is what the megakernel
     computes (f32 math on half-rounded weights), and the oracle where ONNX Runtime has no kernels.
     The Casts named in `rounding` still round to half (then widen back): tables the model rounds
@@ -123,6 +124,6 @@ def _widened(graph: Graph, narrow: tuple[str, ...], wide: str, rounding: Iterabl
     for v in [*g.inputs, *g.consts.values(), *g.state]:
         if v.dtype.value in narrow:
             v.type = TensorType(to, v.type.shape)
-            if v.data is not None:
-                v.data = torch.as_tensor(v.const_array()).to(to.torch)
+            # a constant keeps its data: evaluate.py widens it where a node reads it (one matrix
+            # at a time), so this copy of a model holds no wide copy of its weights
     return g
