@@ -42,7 +42,8 @@ from .common import cli, err_console
               help="Attach the bundle's XDP program (deploy/ebpf/zlc_xdp.o) to IFACE: UDP frames to "
               "--udp-port go through a BPF ring buffer; root needed (docs/deployment.md).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Requests waiting for the engine before new ones get an overload error (529 / 429).")
+              help="Requests waiting beyond the batch: an engine takes --max-batch + --max-queue requests in flight, "
+              "and answers one more at once with an overload error (529 / 429, Retry-After).")
 @click.option("--max-body", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes (413 beyond).")
 @click.option("--request-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,

@@ -4,7 +4,7 @@ one interface the request paths (generate.py, frame_ingress.py) and the server u
 Each engine has its own process, rings, eventfds and supervisor: one that exits or hangs ends its
 own requests with the error a lone engine's get and is restarted, while the others serve on. A
 request goes to the engine router.py picks (least loaded, prefix affinity) among those that are
-up; if that engine's request ring is full the next best is tried. Cancels go to the engine that
+up; if that engine holds its capacity the next best is tried. Cancels go to the engine that
 has the request. The server is "up" while any engine is; if one engine fails past the restart
 limit the server gives up as a single-engine server does (the service manager restarts it whole).
 """
@@ -54,8 +54,8 @@ class _Routed:
 class EnginePool:
     def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor], page_size: int,
                  capacity: int | None = None):
-        """`capacity`: the requests one engine holds (its batch and its queue): one with that many
-        in flight keeps no request by affinity (it would refuse it as overloaded)."""
+        """`capacity`: the requests one engine holds (its batch and its queue; its client refuses
+        more): one with that many in flight keeps no request by affinity."""
         assert len(devices) == len(supervisors) >= 1
         self.devices, self.engines = list(devices), list(supervisors)
         self.capacity = capacity
@@ -126,6 +126,12 @@ class EnginePool:
     def retry_after_s(self) -> int:
         return min(e.retry_after_s() for e in self.engines)
 
+    def capacity_text(self) -> str:
+        """The stated capacity (--max-batch + --max-queue per engine), for the overload error."""
+        if self.capacity is None:
+            return "what its engines hold"
+        return f"{self.capacity}{' per engine' if len(self.engines) > 1 else ''} (--max-batch + --max-queue)"
+
     @property
     def max_prompt_tokens(self) -> int:
         return min(e.max_prompt_tokens for e in self.engines)
@@ -143,8 +149,8 @@ class EnginePool:
                 if e.up else None for i, e in enumerate(self.engines)]
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """Sends the request to its engine (router.py), or the next best when that one's ring is
-        full; False when no engine is up or every ring is full."""
+        """Sends the request to its engine (router.py), or the next best when that one holds its
+        capacity; False when no engine is up or every one holds its capacity."""
         if len(self.engines) == 1:  # nothing to choose: today's path, no wrapper on the token path
             return self.engines[0].submit(request, handler)
         loads = self.loads()
@@ -164,7 +170,7 @@ class EnginePool:
         routed = _Routed(self, handler, request.request_id, engine, len(request.tokens))
         self.routes[request.request_id] = routed
         self.queued_tokens[engine] += routed.prompt
-        if not self.engines[engine].submit(request, routed):  # not up, or its request ring is full
+        if not self.engines[engine].submit(request, routed):  # not up, or it holds its capacity
             routed.settle()
             del self.routes[request.request_id]
             return False

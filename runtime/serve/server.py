@@ -140,6 +140,7 @@ class Server:
             kind = self.bundle.resolve_device(d.kind) if d.kind == "auto" else d.kind
             supervisors.append(EngineSupervisor(
                 functools.partial(EngineClient, str(self.bundle.path), d.kind, max_queue=o.max_queue,
+                                  max_prompt=self.max_seq,
                                   spin_us=o.spin_us, threads=n, max_batch=o.max_batch, kv_pages=o.kv_pages,
                                   prefill_chunk=o.prefill_chunk, prefix_cache_pages=o.prefix_cache_pages,
                                   cpus=d.cores, env=env),

@@ -136,7 +136,7 @@ class EngineSupervisor:
         return rid
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """False when the engine is not up or its request ring is full."""
+        """False when the engine is not up or holds its capacity (EngineClient.submit)."""
         return self.up and self.client is not None and self.client.submit(request, handler)
 
     def cancel(self, request_id: int) -> None:

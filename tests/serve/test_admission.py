@@ -1,0 +1,121 @@
+"""Admission keeps the capacity the server states: a real `zlc serve --max-batch 2 --max-queue 1`
+(capacity 3 requests in flight) and real HTTP clients on loopback. Up to the capacity nothing is
+refused, also when every request arrives during one engine step (the engine held with SIGSTOP, so
+that all of them reach it in one turn: that refused all but max_queue of them when the queue was
+counted alone); beyond it a request is refused at once, 529 (Anthropic) / 429 (OpenAI), with
+Retry-After; closed-loop clients as many as the capacity never see a refusal.
+
+Every wait is bounded by a socket timeout or wait_for, so a hang fails the test instead of CI."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serve_helpers import engine_pid, health, wait_for
+
+MAX_BATCH, MAX_QUEUE = 2, 1
+CAPACITY = MAX_BATCH + MAX_QUEUE
+TIMEOUT_S = 60.0
+PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+
+
+@pytest.fixture(scope="module")
+def server(chat_bundle: Path, server_process: Any) -> Iterator[Any]:
+    s = server_process(chat_bundle, "--device", "reference", "--max-batch", str(MAX_BATCH),
+                       "--max-queue", str(MAX_QUEUE))
+    yield s
+    s.stop()
+
+
+def send(server: Any, api: str, max_tokens: int = 3) -> socket.socket:
+    body = json.dumps({"model": "llama-chat", "max_tokens": max_tokens, "temperature": 0,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s = socket.create_connection((server.host, server.port), timeout=TIMEOUT_S)
+    s.sendall(f"POST {PATHS[api]} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def head(s: socket.socket) -> str:
+    """The response's status line and headers, lower-cased; the socket is closed."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+    finally:
+        s.close()
+    return data.split(b"\r\n\r\n")[0].decode("latin-1").lower()
+
+
+class Held:
+    """The engine stopped (SIGSTOP) while the block runs: what is sent meanwhile waits in the
+    ingress and the request ring, and reaches the engine in one turn when it goes on."""
+
+    def __init__(self, server: Any):
+        self.pid = engine_pid(server)
+
+    def __enter__(self) -> Held:
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+def in_flight(server: Any) -> int:
+    return int(health(server)[1]["in_flight"])
+
+
+def test_a_burst_of_capacity_in_one_step_is_admitted_whole(server: Any) -> None:
+    with Held(server):
+        socks = [send(server, "anthropic" if i % 2 else "openai") for i in range(CAPACITY)]
+        wait_for(f"{CAPACITY} requests in flight", lambda: in_flight(server) == CAPACITY, timeout=20)
+    heads = [head(s) for s in socks]
+    assert all(h.startswith("http/1.1 200") for h in heads), heads
+
+
+def test_beyond_capacity_refused_at_once_with_retry_after(server: Any) -> None:
+    with Held(server):
+        held = [send(server, "anthropic", max_tokens=2) for _ in range(CAPACITY)]
+        wait_for(f"{CAPACITY} requests in flight", lambda: in_flight(server) == CAPACITY, timeout=20)
+        # answered by the ingress while the engine is still stopped: no engine turn is needed
+        over = {api: head(send(server, api)) for api in PATHS}
+        assert in_flight(server) == CAPACITY
+    assert over["anthropic"].startswith("http/1.1 529"), over["anthropic"]
+    assert over["openai"].startswith("http/1.1 429"), over["openai"]
+    for h in over.values():
+        assert "retry-after: 1\r\n" in h + "\r\n", h
+    heads = [head(s) for s in held]
+    assert all(h.startswith("http/1.1 200") for h in heads), heads
+
+
+def test_capacity_closed_loop_clients_never_refused(server: Any) -> None:
+    """CAPACITY clients, each sending its next request as soon as its answer has ended (streamed,
+    OpenAI), 6 rounds each: every answer is a 200 stream that ends with [DONE]."""
+    def client(i: int) -> list[int]:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=TIMEOUT_S)
+        statuses = []
+        for n in range(6):
+            body = json.dumps({"model": "llama-chat", "max_tokens": 2 + (i + n) % 3, "temperature": 0,
+                               "stream": True, "messages": [{"role": "user", "content": f"client {i} round {n}"}]})
+            conn.request("POST", PATHS["openai"], body, {"content-type": "application/json"})
+            r = conn.getresponse()
+            text = r.read()
+            statuses.append(r.status if r.status != 200 or b"data: [DONE]" in text else -1)
+        conn.close()
+        return statuses
+
+    with concurrent.futures.ThreadPoolExecutor(CAPACITY) as pool:
+        got = list(pool.map(client, range(CAPACITY)))
+    assert got == [[200] * 6] * CAPACITY, got
