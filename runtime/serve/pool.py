@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zlc.errors import ZlcError
+from zlc.runtime.kv_manager import DEFAULT_PAGE_SIZE
 
 from .devices import Device
 from .engine_client import ResultHandler
@@ -52,8 +53,8 @@ class _Routed:
 
 
 class EnginePool:
-    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor], page_size: int,
-                 capacity: int | None = None):
+    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor],
+                 page_size: int = DEFAULT_PAGE_SIZE, capacity: int | None = None):
         """`capacity`: the requests one engine holds (its batch and its queue; its client refuses
         more): one with that many in flight keeps no request by affinity."""
         assert len(devices) == len(supervisors) >= 1

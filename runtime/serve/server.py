@@ -35,7 +35,6 @@ from typing import Any
 import orjson
 
 from zlc.errors import ZlcError
-from zlc.runtime.batch import DEFAULT_PAGE_SIZE
 
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
@@ -147,7 +146,7 @@ class Server:
                 step_deadline_s=o.step_deadline_s or step_deadline_s(kind), policy=o.restart,
                 on_give_up=self._give_up, on_restart=functools.partial(self._count_restart, i),
                 name=d.label if len(devices) > 1 else None))
-        return EnginePool(devices, supervisors, DEFAULT_PAGE_SIZE, capacity=o.max_batch + o.max_queue)
+        return EnginePool(devices, supervisors, capacity=o.max_batch + o.max_queue)
 
     def _count_restart(self, engine: int, kind: str) -> None:
         self.engine.count_restart(engine, kind)

@@ -83,7 +83,9 @@ class Driver:
                            eos=frozenset(bundle.eos_token_ids), vocab=bundle.vocab, **kw)
 
     def check_pages(self) -> None:
-        """No page counted twice or lost: the pages in use are exactly the open sequences'."""
+        """No page counted twice or lost: the pages in use are exactly the open sequences', and the
+        KV manager's invariants hold (its pool's states, refcounts, keys)."""
+        self.b.kv_manager.check()
         held = sum(pages_for(self.b.length(j.seq), self.b.page_size) for j in self.s.running if j.seq is not None)
         assert held == self.b.pages_total - self.b.pages_free() and self.b.pages_free() >= 0
 
