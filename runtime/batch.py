@@ -417,6 +417,31 @@ BATCHED["interpret"] = _triton_batch("interpret")
 # step"), so the engine keeps SequentialBatch on GPUs until a measured sweep shows the batch pays.
 
 
+# `zlc serve`'s --max-batch when none is given (docs/serving.md, "The default batch", measured with
+# bench/serve_load.py). Executors that run a session per sequence, rows one after another
+# (SequentialBatch: reference, cuda; and the Triton interpreter, a check rather than a server),
+# gain fairness but no tokens from a bigger batch and hold a whole max_seq cache per session: 8.
+SEQUENTIAL_MAX_BATCH = 8
+
+
+def default_max_batch(bundle: Any, device: str, *, prefill_chunk: int = 64, kv_pages: int | None = None) -> int:
+    """The batch `zlc serve` runs on `device` (resolved) by default. On the native kernel ("cpu"),
+    where a step is one launch for every row, each running sequence adds one row to a step that
+    reads the weights once: as many sequences as leave a whole prefill chunk of rows beside their
+    decode rows (the kernel's rows per step less min(prefill_chunk, half of them): 64 for a
+    bundle of max_seq >= 128), which the load bench measured fastest (TTFT p99 and tok/s at 16
+    and 64 streams). Elsewhere SEQUENTIAL_MAX_BATCH. With a KV budget given (--kv-pages), never more
+    sequences than pages (each running one holds at least a page; more would only wait)."""
+    n = SEQUENTIAL_MAX_BATCH
+    if device == "cpu":
+        from .native import native_entry
+
+        tiling = bundle.manifest["tilings"][native_entry(bundle.path, bundle.manifest)["tiling"]]
+        rows = int(tiling["layout"]["chunk"])
+        n = max(1, rows - min(prefill_chunk, rows // 2))
+    return n if kv_pages is None else max(1, min(n, kv_pages))
+
+
 def batch_backend(bundle: Any, device: str = "auto", *, threads: int | None = None, max_seqs: int = 8,
                   prefill_chunk: int = 64, pages_total: int | None = None,
                   cache_pages: int | None = None) -> BatchBackend:

@@ -34,7 +34,7 @@ def error_response(conn: HttpConnection, api: Api, e: ApiError, headers: bytes =
 def overloaded(server: ServerState) -> ApiError:
     """The 529 (Anthropic) / 429 (OpenAI) with Retry-After: every engine holds its capacity."""
     return ApiError("overloaded_error", f"the server is overloaded ({server.engine.in_flight} requests in flight, "
-                    f"capacity {server.engine.capacity_text()}); retry later")
+                    f"capacity {server.engine.capacity}: --max-batch + --max-queue per engine); retry later")
 
 
 def engine_error(server: ServerState, code: int) -> ApiError:

@@ -54,12 +54,11 @@ class _Routed:
 
 class EnginePool:
     def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor],
-                 page_size: int = DEFAULT_PAGE_SIZE, capacity: int | None = None):
-        """`capacity`: the requests one engine holds (its batch and its queue; its client refuses
-        more): one with that many in flight keeps no request by affinity."""
+                 page_size: int = DEFAULT_PAGE_SIZE):
+        """Each engine's capacity (the requests it holds: its batch and its queue) is its client's,
+        which refuses more: an engine with that many in flight keeps no request by affinity."""
         assert len(devices) == len(supervisors) >= 1
         self.devices, self.engines = list(devices), list(supervisors)
-        self.capacity = capacity
         self.router = PrefixRouter(page_size)
         self.routes: dict[int, _Routed] = {}  # request id -> its engine, while in flight
         self.queued_tokens = [0] * len(self.engines)
@@ -127,11 +126,10 @@ class EnginePool:
     def retry_after_s(self) -> int:
         return min(e.retry_after_s() for e in self.engines)
 
-    def capacity_text(self) -> str:
-        """The stated capacity (--max-batch + --max-queue per engine), for the overload error."""
-        if self.capacity is None:
-            return "what its engines hold"
-        return f"{self.capacity}{' per engine' if len(self.engines) > 1 else ''} (--max-batch + --max-queue)"
+    @property
+    def capacity(self) -> int:
+        """Requests the engines take in flight together (each: --max-batch + --max-queue)."""
+        return sum(e.capacity for e in self.engines)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -145,8 +143,7 @@ class EnginePool:
         return rid
 
     def loads(self) -> list[Load | None]:
-        cap = self.capacity
-        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, cap is not None and e.in_flight >= cap)
+        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, e.in_flight >= e.capacity)
                 if e.up else None for i, e in enumerate(self.engines)]
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:

@@ -144,6 +144,11 @@ class EngineSupervisor:
             self.client.cancel(request_id)
 
     @property
+    def capacity(self) -> int:
+        """Requests the engine takes in flight (--max-batch + --max-queue), as its client counts them."""
+        return 0 if self.client is None else self.client.capacity
+
+    @property
     def in_flight(self) -> int:
         return self.client.in_flight if self.client is not None and self.client.usable else 0
 

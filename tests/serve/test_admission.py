@@ -77,6 +77,10 @@ def in_flight(server: Any) -> int:
     return int(health(server)[1]["in_flight"])
 
 
+def test_the_capacity_is_stated(server: Any) -> None:
+    assert health(server)[1]["capacity"] == CAPACITY
+
+
 def test_a_burst_of_capacity_in_one_step_is_admitted_whole(server: Any) -> None:
     with Held(server):
         socks = [send(server, "anthropic" if i % 2 else "openai") for i in range(CAPACITY)]
