@@ -200,9 +200,10 @@ class KVManager:
             seen.add(seq)
             if not len(ids):
                 raise ZlcError(f"sequence {seq}: a step entry with no ids")
-            bad = [] if self.vocab is None else [i for i in ids if not 0 <= int(i) < self.vocab]
+            vocab = self.vocab
+            bad = [] if vocab is None else [i for i in ids if not 0 <= int(i) < vocab]
             if bad:
-                raise ZlcError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+                raise ZlcError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1 if vocab else 0})")
             end = self._length[seq] + len(ids)
             if end > self.max_seq:
                 raise ZlcError(f"sequence {seq} would hold {end} tokens, past the bundle's max_seq={self.max_seq}")
