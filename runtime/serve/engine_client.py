@@ -7,7 +7,8 @@ One EngineClient is one engine's life: when that engine exits or hangs, the supe
 an engine left half-written in its rings can reach the next one.
 
 Admission is counted here, against the capacity the server states (``--max-batch`` +
-``--max-queue`` requests in flight per engine): a request beyond it is refused at once, and the
+``--max-queue`` requests per engine, counting in flight and cancelled ones the engine has not let
+go yet, ``held``): a request beyond it is refused at once, and the
 request ring is sized so that it holds that many requests with the longest prompt, a CANCEL for
 each and a PING (``request_ring_slots``): a burst arriving during one long engine step can never
 fill it below capacity (it did, when the ring held what one step's arrivals happened to be).
@@ -68,6 +69,9 @@ class EngineClient:
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
         self.handlers: dict[int, ResultHandler] = {}
+        # Cancelled requests whose LAST has not come back: the engine still holds them until it
+        # reads the CANCEL, so they count against the capacity (and the ring's room) until then.
+        self.cancelling: set[int] = set()
         self.proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1  # readable when the engine exits (pidfd_open): no SIGCHLD handler, no polling
         self.exited = False
@@ -183,7 +187,7 @@ class EngineClient:
         """Queues the request; False when `capacity` requests are in flight already or the engine is
         gone (the caller answers "overloaded" / "unavailable"). The ring, sized for the capacity,
         refuses only a prompt longer than the `max_prompt` it was sized for."""
-        if not self.usable or len(self.handlers) >= self.capacity or not self.region.requests.push(request):
+        if not self.usable or self.held >= self.capacity or not self.region.requests.push(request):
             return False
         if self.owed_since is None:
             self.owed_since = time.monotonic()
@@ -195,6 +199,7 @@ class EngineClient:
         """Frees the request's slot in the engine; its handler hears nothing more."""
         if self.handlers.pop(request_id, None) is None or not self.usable:
             return
+        self.cancelling.add(request_id)
         self._owed_changed()
         if not self.region.requests.push(Request(request_id, [], 0, flags=RequestFlag.CANCEL)):
             # Ring full: the engine is far behind; the request finishes and its results are dropped.
@@ -214,6 +219,7 @@ class EngineClient:
     def fail_all(self, code: int) -> int:
         """Ends every request in flight with an ERROR|LAST result carrying `code`; returns how many."""
         pending, self.handlers = self.handlers, {}
+        self.cancelling.clear()
         for h in pending.values():
             h.on_result(int(code), ResultFlag.ERROR | ResultFlag.LAST, 0)
         self._owed_changed()
@@ -222,6 +228,11 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self.handlers)
+
+    @property
+    def held(self) -> int:
+        """Requests the engine holds or will: in flight, and cancelled ones it has not let go yet."""
+        return len(self.handlers) + len(self.cancelling)
 
     def _owed_changed(self) -> None:
         if not self.handlers and not self.ping_pending:
@@ -245,8 +256,10 @@ class EngineClient:
                     self.ping_pending = False
                     continue
                 h = handlers.get(rid)
-                if h is None:
-                    continue  # cancelled: dropped
+                if h is None:  # cancelled: dropped; its LAST says the engine let it go
+                    if flags & ResultFlag.LAST:
+                        self.cancelling.discard(rid)
+                    continue
                 if flags & ResultFlag.LAST:
                     del handlers[rid]
                 h.on_result(token, flags, t_ns)
