@@ -123,3 +123,27 @@ def test_capacity_closed_loop_clients_never_refused(server: Any) -> None:
     with concurrent.futures.ThreadPoolExecutor(CAPACITY) as pool:
         got = list(pool.map(client, range(CAPACITY)))
     assert got == [[200] * 6] * CAPACITY, got
+
+
+@pytest.mark.parametrize(("max_batch", "max_queue", "max_prompt"), [(2, 1, 128), (64, 32, 2048), (3, 5, 9000), (256, 32, 2048)])
+def test_the_request_ring_holds_the_capacity(max_batch: int, max_queue: int, max_prompt: int) -> None:
+    """The real ring of an EngineClient (shared memory, no engine started) takes its whole
+    capacity of requests with the longest prompt, a CANCEL for each and a PING, with nothing
+    popped: it can never be what refuses a request below the capacity."""
+    from zlc.runtime.serve.engine_client import PING_ID, EngineClient
+    from zlc.runtime.serve.protocol import RequestFlag
+    from zlc.runtime.serve.rings import Request
+
+    c = EngineClient("unused.zlc", max_batch=max_batch, max_queue=max_queue, max_prompt=max_prompt)
+    try:
+        ring = c.region.requests
+        cap = max_batch + max_queue
+        assert c.capacity == cap
+        for rid in range(1, cap + 1):
+            assert ring.push(Request(rid, [7] * max_prompt, 4)), rid
+        for rid in range(1, cap + 1):
+            assert ring.push(Request(rid, [], 0, flags=RequestFlag.CANCEL)), rid
+        assert ring.push(Request(PING_ID, [], 0, flags=RequestFlag.PING))
+        assert len(ring.pop_many(4 * cap)) == 2 * cap + 1
+    finally:
+        c.close()
