@@ -183,7 +183,12 @@ class NativeBatch(_Paged):
     shared-prefix cache keeps after their sequences close (default: what DEFAULT_KV_BYTES holds,
     at most the budget; 0 turns the prefix cache off). Other keywords go to `NativeBackend`
     (threads, pin, tables, library, level, debug). The session's own contiguous cache
-    (MegakernelSession's) is not used; the arena is `pages * page_size` tokens."""
+    (MegakernelSession's) is not used; the arena is `pages * page_size` tokens.
+
+    What differs between the paged kernels is three hooks: `_shape` (floats per token, rows per
+    step), `_launcher` (what runs the launch, given the budget) and `_arena` (the host's page
+    arena, or None where the executor keeps it); the pages, the budget and the step's encoding
+    are this class's, TritonBatch's too."""
 
     nb: BatchLauncher
     kv: np.ndarray | None  # the page arena (None: the launcher keeps it, TritonBatch)
@@ -191,22 +196,37 @@ class NativeBatch(_Paged):
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *,
                  page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, cache_pages: int | None = None,
                  **backend: Any):
+        bundle = Path(bundle)
         if manifest is None:
-            manifest = fmt.read_manifest(Path(bundle), check=True)
-        self.nb = native = NativeBackend(bundle, manifest, **backend)
+            manifest = fmt.read_manifest(bundle, check=True)
+        self._native: NativeBackend | None = None
         try:
-            self._paged(bundle, manifest, page_size, native.kv_token_floats(), native.chunk, pages, cache_pages)
+            token_floats, max_rows = self._shape(bundle, manifest, backend)
+            self._paged(bundle, manifest, page_size, token_floats, max_rows, pages, cache_pages)
+            self.nb = self._launcher(bundle, manifest, backend)
         except ZlcError:
-            self.nb.close()
+            if self._native is not None:
+                self._native.close()
             raise
+        self.kv = self._arena()
+
+    def _shape(self, bundle: Path, manifest: Mapping[str, Any], backend: dict[str, Any]) -> tuple[int, int]:
+        """(floats per cached token, rows per step) of the kernel: the native library's (loaded here)."""
+        self._native = NativeBackend(bundle, manifest, **backend)
+        return self._native.kv_token_floats(), self._native.chunk
+
+    def _launcher(self, bundle: Path, manifest: Mapping[str, Any], backend: dict[str, Any]) -> BatchLauncher:
+        assert self._native is not None
+        return self._native
+
+    def _arena(self) -> np.ndarray | None:
         # np.zeros: untouched pages cost no memory until a sequence first writes them
-        self.kv = np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
+        return np.zeros(self.pages_total * self.page_size * self.token_floats, dtype=np.float32)
 
     def _paged(self, bundle: str | Path, manifest: Mapping[str, Any], page_size: int, token_floats: int,
                max_rows: int, pages: int | None, cache_pages: int | None) -> None:
-        """The shape and the KVManager (both paged kernels): `pages` (default: what
-        DEFAULT_KV_BYTES holds and at least one full max_seq sequence) of `page_size` tokens of
-        `token_floats` floats each."""
+        """The shape and the KVManager: `pages` (default: what DEFAULT_KV_BYTES holds and at least
+        one full max_seq sequence) of `page_size` tokens of `token_floats` floats each."""
         self.max_seq = int(manifest["model"]["max_seq"])
         self.vocab = int(manifest["model"]["vocab"])
         if page_size < 1:
@@ -248,49 +268,53 @@ class NativeBatch(_Paged):
 
 
 class TritonBatch(NativeBatch):
-    """`BatchBackend` on the Triton kernel: NativeBatch's pages and step encoding, its launches the
-    Triton kernel's batched launch (the prefill kernel over the prefill table, the rows' positions
-    and page tables in a batch block; runtime/paged_kv.py), in the interpreter (`device`
-    "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). The page pool lives in
-    the executor's own A arena (`kv` stays None), sized here: `pages` (default: what
-    DEFAULT_KV_BYTES holds, at least one full max_seq sequence) of `page_size` tokens, with the
-    shared-prefix cache as on NativeBatch (`cache_pages`). Other keywords go to CudaBackend
+    """`BatchBackend` on the Triton kernel: NativeBatch's pages, budget and step encoding, its
+    launches the Triton kernel's batched launch (the prefill kernel over the prefill table, the
+    rows' positions and page tables in a batch block; runtime/paged_kv.py), in the interpreter
+    (`device` "interpret", the cpu tiling) or on a GPU ("cuda", the bundle's cubin). Its hooks:
+    the tiling's layout gives the shape; the launcher is the executor, made with the budget, which
+    keeps the page pool in its own A arena (`kv` stays None). Other keywords go to CudaBackend
     (weights, deadlines, ctrl; the benchmark's)."""
 
     def __init__(self, bundle: str | Path, manifest: Mapping[str, Any] | None = None, *, device: str = "interpret",
                  page_size: int = DEFAULT_PAGE_SIZE, pages: int | None = None, cache_pages: int | None = None,
                  debug: bool = False, **backend: Any):
-        bundle = Path(bundle)
-        if manifest is None:
-            manifest = fmt.read_manifest(bundle, check=True)
-        if device == "interpret":
-            tiling = "cpu"
-        elif device == "cuda" or device.startswith("cuda:"):
+        self.device, self.debug = device, debug
+        super().__init__(bundle, manifest, page_size=page_size, pages=pages, cache_pages=cache_pages, **backend)
+
+    def _tiling(self, manifest: Mapping[str, Any]) -> str:
+        if self.device == "interpret":
+            return "cpu"
+        if self.device == "cuda" or self.device.startswith("cuda:"):
             from .cuda_launch import gpu_targets
 
             # every GPU target of a bundle shares one tiling (docs/megakernel.md, "Tilings")
-            tiling = str(next(iter(t["tiling"] for t in gpu_targets(manifest).values()), "gpu"))
-        else:
-            raise ZlcError(f"TritonBatch runs on 'interpret' or 'cuda[:N]', not {device!r}")
-        layout = manifest["tilings"][tiling]["layout"]
+            return str(next(iter(t["tiling"] for t in gpu_targets(manifest).values()), "gpu"))
+        raise ZlcError(f"TritonBatch runs on 'interpret' or 'cuda[:N]', not {self.device!r}")
+
+    def _shape(self, bundle: Path, manifest: Mapping[str, Any], backend: dict[str, Any]) -> tuple[int, int]:
+        layout = manifest["tilings"][self._tiling(manifest)]["layout"]
         token_floats = int(layout.get("paged_kv", {}).get("tok_floats", -1))
         if token_floats <= 0:
             raise ZlcError(f"{bundle}: no batched launch for this bundle (recompile it with this zlc; or an attention "
                            "reads a KV cache no cache_append writes)")
-        self._paged(bundle, manifest, page_size, token_floats, int(layout["chunk"]), pages, cache_pages)
-        self.kv = None
+        return token_floats, int(layout["chunk"])
+
+    def _launcher(self, bundle: Path, manifest: Mapping[str, Any], backend: dict[str, Any]) -> BatchLauncher:
         kv_pages = (self.pages_total, self.page_size)
-        if device == "interpret":
+        if self.device == "interpret":
             from .interpret import InterpretBackend
 
             if backend:
                 raise ZlcError(f"TritonBatch on the interpreter takes no {', '.join(backend)}")
-            self.nb = InterpretBackend(bundle, tiling, debug=debug, kv_pages=kv_pages)
-        else:
-            from .cuda import CudaBackend
+            return InterpretBackend(bundle, self._tiling(manifest), debug=self.debug, kv_pages=kv_pages)
+        from .cuda import CudaBackend
 
-            index = device.partition(":")[2]
-            self.nb = CudaBackend(bundle, manifest, device=int(index or 0), debug=debug, kv_pages=kv_pages, **backend)
+        index = self.device.partition(":")[2]
+        return CudaBackend(bundle, manifest, device=int(index or 0), debug=self.debug, kv_pages=kv_pages, **backend)
+
+    def _arena(self) -> np.ndarray | None:
+        return None
 
 
 class SequentialBatch(_Paged):
