@@ -139,6 +139,9 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
         click.echo(json.dumps({"event": "listening", "model": server.model, "device": on,
                                **{k: list(v) for k, v in a.items()}}), nl=True)
         sys.stdout.flush()
+        clients = [e.client for e in server.engine.engines if e.client is not None]
+        if clients:  # the batch the default chose (per executor), and what admission takes
+            parts.append(f"batch {clients[0].max_batch}, capacity {server.engine.capacity} requests")
         err.print(f"zlc serve: {escape(server.model)} on {escape(on)}: " + ", ".join(parts))
 
     run_server(str(bundle), opts, announce)
