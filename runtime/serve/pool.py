@@ -143,7 +143,7 @@ class EnginePool:
         return rid
 
     def loads(self) -> list[Load | None]:
-        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, e.in_flight >= e.capacity)
+        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, e.held >= e.capacity)
                 if e.up else None for i, e in enumerate(self.engines)]
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:

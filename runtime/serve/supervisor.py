@@ -149,6 +149,11 @@ class EngineSupervisor:
         return 0 if self.client is None else self.client.capacity
 
     @property
+    def held(self) -> int:
+        """Requests counted against the capacity: in flight, and cancelled ones the engine still holds."""
+        return self.client.held if self.client is not None and self.client.usable else 0
+
+    @property
     def in_flight(self) -> int:
         return self.client.in_flight if self.client is not None and self.client.usable else 0
 
