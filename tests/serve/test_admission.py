@@ -104,6 +104,28 @@ def test_beyond_capacity_refused_at_once_with_retry_after(server: Any) -> None:
     assert all(h.startswith("http/1.1 200") for h in heads), heads
 
 
+def test_cancelled_requests_count_until_the_engine_lets_them_go(server: Any) -> None:
+    """Clients that hang up free their place once the engine has read their CANCEL, not before:
+    with the engine held, CAPACITY requests whose clients went away still fill it (their CANCELs
+    wait in the ring beside them); once it goes on, the place is free again."""
+    with Held(server):
+        gone = [send(server, "openai", max_tokens=50) for _ in range(CAPACITY)]
+        wait_for(f"{CAPACITY} requests in flight", lambda: in_flight(server) == CAPACITY, timeout=20)
+        for s in gone:
+            s.close()
+        wait_for("the hang-ups seen", lambda: in_flight(server) == 0, timeout=20)
+        refused = head(send(server, "anthropic"))
+    assert refused.startswith("http/1.1 529"), refused
+    statuses: list[str] = []
+
+    def served() -> bool:
+        statuses.append(head(send(server, "anthropic")).split("\r\n")[0])
+        return statuses[-1].startswith("http/1.1 200")
+
+    wait_for("a place freed by the engine", served, timeout=30, every=0.2)
+    assert set(statuses[:-1]) <= {"http/1.1 529 overloaded"}, statuses
+
+
 def test_capacity_closed_loop_clients_never_refused(server: Any) -> None:
     """CAPACITY clients, each sending its next request as soon as its answer has ended (streamed,
     OpenAI), 6 rounds each: every answer is a 200 stream that ends with [DONE]."""
