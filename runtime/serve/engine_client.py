@@ -6,6 +6,13 @@ One EngineClient is one engine's life: when that engine exits or hangs, the supe
 (supervisor.py) ends its requests, closes it and starts a new client with fresh rings, so nothing
 an engine left half-written in its rings can reach the next one.
 
+Admission is counted here, against the capacity the server states (``--max-batch`` +
+``--max-queue`` requests per engine, counting in flight and cancelled ones the engine has not let
+go yet, ``held``): a request beyond it is refused at once, and the
+request ring is sized so that it holds that many requests with the longest prompt, a CANCEL for
+each and a PING (``request_ring_slots``): a burst arriving during one long engine step can never
+fill it below capacity (it did, when the ring held what one step's arrivals happened to be).
+
 The client also keeps what the supervisor's watchdog needs: when the engine last produced
 anything (``last_progress``) and since when something has been owed (``owed_since``).
 """
@@ -26,9 +33,17 @@ from zlc.errors import ZlcError
 
 from .engine_stats import EngineStats
 from .protocol import RequestFlag, ResultFlag
-from .rings import Request, RingRegion
+from .rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
 
 PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
+
+
+def request_ring_slots(capacity: int, max_prompt: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """Request-ring slots (a power of two) for `capacity` requests in flight: each with a prompt of
+    up to `max_prompt` tokens (the ingress refuses longer ones) and a CANCEL, plus one PING."""
+    per_prompt = max(1, -(-max_prompt // chunk_tokens))
+    need = capacity * (per_prompt + 1) + 1
+    return 1 << (need - 1).bit_length()
 
 
 class ResultHandler(Protocol):
@@ -36,22 +51,27 @@ class ResultHandler(Protocol):
 
 
 class EngineClient:
-    def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, request_capacity: int = 256,
+    def __init__(self, bundle: str, device: str = "cpu", *, max_queue: int = 32, max_prompt: int = 4096,
                  result_capacity: int = 8192, spin_us: float = 0.0, threads: int = 1, max_batch: int = 8,
                  kv_pages: int | None = None, prefill_chunk: int = 64, prefix_cache_pages: int | None = None,
                  cpus: frozenset[int] | None = None, env: dict[str, str] | None = None):
-        """`cpus`: the cores the engine process is confined to (None: this process's); `env`:
-        variables it adds to its environment (CUDA_VISIBLE_DEVICES for one GPU of several)."""
+        """`max_prompt`: the longest prompt the ingress submits (the bundle's max_seq); `cpus`: the
+        cores the engine process is confined to (None: this process's); `env`: variables it adds to
+        its environment (CUDA_VISIBLE_DEVICES for one GPU of several)."""
         self.bundle, self.device = bundle, device
+        self.capacity = max_batch + max_queue  # requests in flight before new ones are refused
         self.cpus, self.env = cpus, env or {}
         self.max_queue, self.spin_us, self.threads = max_queue, spin_us, threads
         self.max_batch, self.kv_pages, self.prefill_chunk = max_batch, kv_pages, prefill_chunk
         self.prefix_cache_pages = prefix_cache_pages
         self.stats = EngineStats()  # the engine writes its counters here (/metrics reads them)
-        self.region = RingRegion.create(None, request_capacity, result_capacity)
+        self.region = RingRegion.create(None, request_ring_slots(self.capacity, max_prompt), result_capacity)
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
         self.handlers: dict[int, ResultHandler] = {}
+        # Cancelled requests whose LAST has not come back: the engine still holds them until it
+        # reads the CANCEL, so they count against the capacity (and the ring's room) until then.
+        self.cancelling: set[int] = set()
         self.proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1  # readable when the engine exits (pidfd_open): no SIGCHLD handler, no polling
         self.exited = False
@@ -164,9 +184,10 @@ class EngineClient:
         return not (self.exited or self.closed)
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """Queues the request; False when the request ring is full or the engine is gone (the
-        caller answers "overloaded" / "unavailable")."""
-        if not self.usable or not self.region.requests.push(request):
+        """Queues the request; False when `capacity` requests are in flight already or the engine is
+        gone (the caller answers "overloaded" / "unavailable"). The ring, sized for the capacity,
+        refuses only a prompt longer than the `max_prompt` it was sized for."""
+        if not self.usable or self.held >= self.capacity or not self.region.requests.push(request):
             return False
         if self.owed_since is None:
             self.owed_since = time.monotonic()
@@ -178,6 +199,7 @@ class EngineClient:
         """Frees the request's slot in the engine; its handler hears nothing more."""
         if self.handlers.pop(request_id, None) is None or not self.usable:
             return
+        self.cancelling.add(request_id)
         self._owed_changed()
         if not self.region.requests.push(Request(request_id, [], 0, flags=RequestFlag.CANCEL)):
             # Ring full: the engine is far behind; the request finishes and its results are dropped.
@@ -197,6 +219,7 @@ class EngineClient:
     def fail_all(self, code: int) -> int:
         """Ends every request in flight with an ERROR|LAST result carrying `code`; returns how many."""
         pending, self.handlers = self.handlers, {}
+        self.cancelling.clear()
         for h in pending.values():
             h.on_result(int(code), ResultFlag.ERROR | ResultFlag.LAST, 0)
         self._owed_changed()
@@ -205,6 +228,11 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self.handlers)
+
+    @property
+    def held(self) -> int:
+        """Requests the engine holds or will: in flight, and cancelled ones it has not let go yet."""
+        return len(self.handlers) + len(self.cancelling)
 
     def _owed_changed(self) -> None:
         if not self.handlers and not self.ping_pending:
@@ -228,8 +256,10 @@ class EngineClient:
                     self.ping_pending = False
                     continue
                 h = handlers.get(rid)
-                if h is None:
-                    continue  # cancelled: dropped
+                if h is None:  # cancelled: dropped; its LAST says the engine let it go
+                    if flags & ResultFlag.LAST:
+                        self.cancelling.discard(rid)
+                    continue
                 if flags & ResultFlag.LAST:
                     del handlers[rid]
                 h.on_result(token, flags, t_ns)

@@ -31,10 +31,15 @@ def error_response(conn: HttpConnection, api: Api, e: ApiError, headers: bytes =
     conn.respond(api.status(e), api.error_body(e), headers=headers)
 
 
+def overloaded(server: ServerState) -> ApiError:
+    """The 529 (Anthropic) / 429 (OpenAI) with Retry-After: every engine holds its capacity."""
+    return ApiError("overloaded_error", f"the server is overloaded ({server.engine.in_flight} requests in flight, "
+                    f"capacity {server.engine.capacity}: --max-batch + --max-queue per engine); retry later")
+
+
 def engine_error(server: ServerState, code: int) -> ApiError:
     if code == EngineError.OVERLOADED:
-        return ApiError("overloaded_error",
-                        f"the server is overloaded ({server.engine.in_flight} requests waiting); retry later")
+        return overloaded(server)
     if code == EngineError.BAD_REQUEST:
         return ApiError("invalid_request_error", "the model refused the prompt (see the server log)")
     if code == EngineError.KV_BUDGET:
@@ -111,8 +116,7 @@ class HttpGeneration:
         server.metrics.prompt_tokens.inc(len(spec.prompt_ids))
         request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p, spec.seed)
         if not server.engine.submit(request, self):
-            self.fail(ApiError("overloaded_error", "the server is overloaded (request ring full); retry "
-                               "later") if server.engine.up else server.unavailable())
+            self.fail(overloaded(server) if server.engine.up else server.unavailable())
 
     def on_result(self, token: int, flags: int, t_ns: int) -> None:
         if self.done:

@@ -4,7 +4,7 @@ one interface the request paths (generate.py, frame_ingress.py) and the server u
 Each engine has its own process, rings, eventfds and supervisor: one that exits or hangs ends its
 own requests with the error a lone engine's get and is restarted, while the others serve on. A
 request goes to the engine router.py picks (least loaded, prefix affinity) among those that are
-up; if that engine's request ring is full the next best is tried. Cancels go to the engine that
+up; if that engine holds its capacity the next best is tried. Cancels go to the engine that
 has the request. The server is "up" while any engine is; if one engine fails past the restart
 limit the server gives up as a single-engine server does (the service manager restarts it whole).
 """
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zlc.errors import ZlcError
+from zlc.runtime.kv_manager import DEFAULT_PAGE_SIZE
 
 from .devices import Device
 from .engine_client import ResultHandler
@@ -52,13 +53,12 @@ class _Routed:
 
 
 class EnginePool:
-    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor], page_size: int,
-                 capacity: int | None = None):
-        """`capacity`: the requests one engine holds (its batch and its queue): one with that many
-        in flight keeps no request by affinity (it would refuse it as overloaded)."""
+    def __init__(self, devices: Sequence[Device], supervisors: Sequence[EngineSupervisor],
+                 page_size: int = DEFAULT_PAGE_SIZE):
+        """Each engine's capacity (the requests it holds: its batch and its queue) is its client's,
+        which refuses more: an engine with that many in flight keeps no request by affinity."""
         assert len(devices) == len(supervisors) >= 1
         self.devices, self.engines = list(devices), list(supervisors)
-        self.capacity = capacity
         self.router = PrefixRouter(page_size)
         self.routes: dict[int, _Routed] = {}  # request id -> its engine, while in flight
         self.queued_tokens = [0] * len(self.engines)
@@ -127,6 +127,11 @@ class EnginePool:
         return min(e.retry_after_s() for e in self.engines)
 
     @property
+    def capacity(self) -> int:
+        """Requests the engines take in flight together (each: --max-batch + --max-queue)."""
+        return sum(e.capacity for e in self.engines)
+
+    @property
     def max_prompt_tokens(self) -> int:
         return min(e.max_prompt_tokens for e in self.engines)
 
@@ -138,13 +143,12 @@ class EnginePool:
         return rid
 
     def loads(self) -> list[Load | None]:
-        cap = self.capacity
-        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, cap is not None and e.in_flight >= cap)
+        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, e.held >= e.capacity)
                 if e.up else None for i, e in enumerate(self.engines)]
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """Sends the request to its engine (router.py), or the next best when that one's ring is
-        full; False when no engine is up or every ring is full."""
+        """Sends the request to its engine (router.py), or the next best when that one holds its
+        capacity; False when no engine is up or every one holds its capacity."""
         if len(self.engines) == 1:  # nothing to choose: today's path, no wrapper on the token path
             return self.engines[0].submit(request, handler)
         loads = self.loads()
@@ -164,7 +168,7 @@ class EnginePool:
         routed = _Routed(self, handler, request.request_id, engine, len(request.tokens))
         self.routes[request.request_id] = routed
         self.queued_tokens[engine] += routed.prompt
-        if not self.engines[engine].submit(request, routed):  # not up, or its request ring is full
+        if not self.engines[engine].submit(request, routed):  # not up, or it holds its capacity
             routed.settle()
             del self.routes[request.request_id]
             return False

@@ -7,7 +7,8 @@ The rule (docs/serving.md, "Several devices"):
    answered (prefill still ahead of it), then by its index.
 2. **Prefix affinity.** The prompt's full KV pages (``page_size`` tokens each) are keyed by their
    content and everything before them (page k's key chains page k-1's), as an engine's prefix
-   cache keys them. The request goes to the engine that last served the longest run of those
+   cache keys them: the keys and the page size are the KV manager's (runtime/kv_manager.py
+   ``page_keys``, ``DEFAULT_PAGE_SIZE``), the one place the engines' pages are defined. The request goes to the engine that last served the longest run of those
    pages, unless that engine is too much busier than the least-loaded one: it keeps the request
    while its in-flight count exceeds the least loaded's by at most ``slack = min(pages //
    PAGES_PER_EXTRA_REQUEST, MAX_SLACK)``: every 4 pages (64 tokens) it already holds are worth one
@@ -25,10 +26,12 @@ wrong guess (a page the engine has evicted since) costs a prefill, never a wrong
 from __future__ import annotations
 
 import collections
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from zlc.runtime.kv_manager import DEFAULT_PAGE_SIZE, page_keys
+
+__all__ = ["HOWS", "MAX_SLACK", "PAGES_PER_EXTRA_REQUEST", "Load", "PrefixRouter", "Route", "page_keys"]
 
 PAGES_PER_EXTRA_REQUEST = 4
 MAX_SLACK = 8
@@ -55,21 +58,8 @@ class Route:
 HOWS = ("least_loaded", "affinity", "rebalanced")
 
 
-def page_keys(tokens: Any, page_size: int) -> list[int]:
-    """One key per full page of `tokens` (array('I') or ints), each covering the page and all
-    before it. Python's hash of bytes (SipHash): keys live only in this process."""
-    raw = (tokens if isinstance(tokens, array) else array("I", tokens)).tobytes()
-    step = 4 * page_size
-    keys: list[int] = []
-    key = 0
-    for at in range(0, len(raw) - step + 1, step):
-        key = hash((key, raw[at:at + step]))
-        keys.append(key)
-    return keys
-
-
 class PrefixRouter:
-    def __init__(self, page_size: int, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, page_size: int = DEFAULT_PAGE_SIZE, capacity: int = DEFAULT_CAPACITY):
         self.page_size = page_size
         self.capacity = capacity
         self.last: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()  # key -> (engine, epoch)

@@ -11,9 +11,11 @@ At every step the scheduler
      within ``max_rows``. The chunk size is the knob between time to first token (a big chunk
      prefills a new prompt in fewer steps) and inter-token latency (every running sequence waits
      for the whole step, chunk included);
-  3. runs it; on OutOfPages preempts the youngest running sequence (closes it, puts it back at the
-     front of the queue; it recomputes prompt + generated tokens when readmitted) and retries, so
-     nobody fails for lack of pages and the oldest always progresses;
+  3. asks the backend's KV manager for the step's slots (``KVManager.plan``: the plain BatchStep
+     value, or None when the pages are not free); on None preempts the youngest running sequence
+     (closes it, puts it back at the front of the queue; it recomputes prompt + generated tokens
+     when readmitted) and plans again, so nobody fails for lack of pages and the oldest always
+     progresses; then the backend runs the value;
   4. samples each row from its logits with its own parameters (greedy: argmax, lowest index on
      ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
      top_p / seed with its own torch generator), emits the token, retires rows that hit a stop
@@ -32,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from zlc.runtime.batch import BatchBackend, OutOfPages, pages_for
+from zlc.runtime.batch import BatchBackend, pages_for
+from zlc.runtime.kv_manager import BatchStep
 
 from .protocol import EngineError, ResultFlag
 from .rings import Request
@@ -158,27 +161,26 @@ class Scheduler:
         rows, jobs, want = self._build()
         if not rows:
             return False
-        backend_ns = 0
-        while True:
-            tb = time.perf_counter_ns()
-            try:
-                logits = self.backend.step(rows, want)
-                backend_ns += time.perf_counter_ns() - tb
-                break
-            except OutOfPages:
-                backend_ns += time.perf_counter_ns() - tb
+        kv = self.backend.kv_manager
+        try:
+            plan: BatchStep | None = kv.plan(rows, want)
+            while plan is None:
                 if len(self.running) == 1:  # cannot happen with max_tokens clipped to the budget
-                    self._fail(self.running[0], EngineError.INTERNAL, "out of KV pages while alone")
+                    self._fail(self.running[0], EngineError.INTERNAL, f"out of KV pages while alone: "
+                               f"{kv.shortage(rows)}")
                     return True
                 self._preempt(max(self.running, key=lambda j: j.order))
                 rows, jobs, want = self._build()
                 if not rows:
                     return True
-            except Exception as e:  # an executor failure: these rows' requests end, the engine goes on
-                backend_ns += time.perf_counter_ns() - tb
-                for job in jobs:
-                    self._fail(job, EngineError.INTERNAL, f"{type(e).__name__}: {e}")
-                return True
+                plan = kv.plan(rows, want)
+            tb = time.perf_counter_ns()
+            logits = self.backend.run(plan)
+            backend_ns = time.perf_counter_ns() - tb
+        except Exception as e:  # a malformed step or an executor failure: these rows' requests end
+            for job in jobs:
+                self._fail(job, EngineError.INTERNAL, f"{type(e).__name__}: {e}")
+            return True
         for job, (_, ids), lg in zip(jobs, rows, logits, strict=True):
             job.fed += len(ids)
             if lg is not None:
@@ -201,8 +203,8 @@ class Scheduler:
                 # the front request's: admitting beyond that would only be preempted again.
                 # Pages of the front request's prefix that open sequences hold are shared for free;
                 # cached ones leave pages_free as a computed page would.
-                owed = sum(pages_for(len(j.context), b.page_size) - pages_for(j.fed, b.page_size)
-                           for j in self.running)
+                kv = b.kv_manager
+                owed = sum(kv.slots_needed(j.seq, len(j.context) - j.fed) for j in self.running if j.seq is not None)
                 _, shared = b.lookup(job.context)
                 if owed + pages_for(len(job.context), b.page_size) - shared > b.pages_free():
                     return

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from zlc.errors import ZlcError
-from zlc.runtime.batch import DEFAULT_PAGE_SIZE
+from zlc.runtime.batch import default_max_batch
 
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
@@ -76,7 +76,7 @@ class ServeOptions:
     max_queue: int = 32  # requests waiting in the engine before new ones get "overloaded"
     spin_us: float = 0.0  # the engine polls its ring this long before sleeping (for isolated cores)
     threads: int | None = None  # the executor's CPU threads per engine (None: 1, or a --devices part's core count)
-    max_batch: int = 8  # sequences the engine runs side by side (continuous batching)
+    max_batch: int | None = None  # sequences an engine runs side by side (None: batch.default_max_batch)
     kv_pages: int | None = None  # the engine's KV budget in pages (None: max_batch full contexts)
     prefill_chunk: int = 64  # prompt tokens prefilled per step (TTFT vs inter-token latency)
     prefix_cache_pages: int | None = None  # pages the prefix cache keeps (None: the backend's default; 0: off)
@@ -138,15 +138,18 @@ class Server:
         for i, (d, n, env) in enumerate(zip(devices, threads, envs, strict=True)):
             # "auto" is cuda or cpu: the deadline is the one of the device the engine will run
             kind = self.bundle.resolve_device(d.kind) if d.kind == "auto" else d.kind
+            batch = o.max_batch or default_max_batch(self.bundle, kind, prefill_chunk=o.prefill_chunk,
+                                                     kv_pages=o.kv_pages)
             supervisors.append(EngineSupervisor(
                 functools.partial(EngineClient, str(self.bundle.path), d.kind, max_queue=o.max_queue,
-                                  spin_us=o.spin_us, threads=n, max_batch=o.max_batch, kv_pages=o.kv_pages,
+                                  max_prompt=self.max_seq,
+                                  spin_us=o.spin_us, threads=n, max_batch=batch, kv_pages=o.kv_pages,
                                   prefill_chunk=o.prefill_chunk, prefix_cache_pages=o.prefix_cache_pages,
                                   cpus=d.cores, env=env),
                 step_deadline_s=o.step_deadline_s or step_deadline_s(kind), policy=o.restart,
                 on_give_up=self._give_up, on_restart=functools.partial(self._count_restart, i),
                 name=d.label if len(devices) > 1 else None))
-        return EnginePool(devices, supervisors, DEFAULT_PAGE_SIZE, capacity=o.max_batch + o.max_queue)
+        return EnginePool(devices, supervisors)
 
     def _count_restart(self, engine: int, kind: str) -> None:
         self.engine.count_restart(engine, kind)
@@ -349,7 +352,7 @@ class Server:
                   else "engine_failed" if e.state == "failed" else "engine_restarting")
         body: dict[str, Any] = {"status": status, "model": self.model,
                                 "device": self.options.devices or self.options.device,
-                                "in_flight": self.in_flight, "architecture": ARCHITECTURE,
+                                "in_flight": self.in_flight, "capacity": e.capacity, "architecture": ARCHITECTURE,
                                 "engine_restarts": e.restarts}
         if len(e.engines) > 1:
             body["engines"] = e.engine_health()

@@ -136,12 +136,22 @@ class EngineSupervisor:
         return rid
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """False when the engine is not up or its request ring is full."""
+        """False when the engine is not up or holds its capacity (EngineClient.submit)."""
         return self.up and self.client is not None and self.client.submit(request, handler)
 
     def cancel(self, request_id: int) -> None:
         if self.client is not None and self.client.usable:
             self.client.cancel(request_id)
+
+    @property
+    def capacity(self) -> int:
+        """Requests the engine takes in flight (--max-batch + --max-queue), as its client counts them."""
+        return 0 if self.client is None else self.client.capacity
+
+    @property
+    def held(self) -> int:
+        """Requests counted against the capacity: in flight, and cancelled ones the engine still holds."""
+        return self.client.held if self.client is not None and self.client.usable else 0
 
     @property
     def in_flight(self) -> int:

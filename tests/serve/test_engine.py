@@ -91,14 +91,16 @@ def test_batch_rows_give_their_solo_tokens(backend: Any, bundle: Any, expected: 
     e.region.close()
 
 
-def test_overload_beyond_the_queue(backend: Any, bundle: Any) -> None:
-    e = make(backend, bundle, max_queue=2)
-    for i in range(1, 6):
+def test_overload_beyond_the_capacity(backend: Any, bundle: Any) -> None:
+    """max_batch 4 + max_queue 2: eight requests reaching the engine in one turn (they wait until
+    that turn's step admits them): the first six (the capacity) run, the last two are refused."""
+    e = make(backend, bundle, max_queue=2, max_batch=4)
+    for i in range(1, 9):
         e.region.requests.push(Request(i, PROMPTS[0], 1))
     out = run_until_idle(e)
     overloaded = {r for r, t, f in out if f & ResultFlag.ERROR and t == EngineError.OVERLOADED}
-    assert overloaded == {3, 4, 5}
-    assert {r for r, _, f in out if f & ResultFlag.LAST} == {1, 2, 3, 4, 5}
+    assert overloaded == {7, 8}
+    assert {r for r, _, f in out if f & ResultFlag.LAST} == set(range(1, 9))
     e.region.close()
 
 

@@ -83,7 +83,9 @@ class Driver:
                            eos=frozenset(bundle.eos_token_ids), vocab=bundle.vocab, **kw)
 
     def check_pages(self) -> None:
-        """No page counted twice or lost: the pages in use are exactly the open sequences'."""
+        """No page counted twice or lost: the pages in use are exactly the open sequences', and the
+        KV manager's invariants hold (its pool's states, refcounts, keys)."""
+        self.b.kv_manager.check()
         held = sum(pages_for(self.b.length(j.seq), self.b.page_size) for j in self.s.running if j.seq is not None)
         assert held == self.b.pages_total - self.b.pages_free() and self.b.pages_free() >= 0
 
@@ -343,3 +345,19 @@ def test_native_shared_prefixes_with_cancels_and_preemptions(bundle: Any, native
             assert d.tokens(rid) == want[:len(d.tokens(rid))]
         else:
             assert d.tokens(rid) == want, (rid, prompt, n)
+
+
+def test_the_default_batch_per_executor(bundle: Any) -> None:
+    """`zlc serve` without --max-batch: on the native kernel as many sequences as leave a whole
+    prefill chunk beside their decode rows (its rows per step: the tiling's chunk, 128 at max_seq
+    128), a session per sequence elsewhere (8); never more than a --kv-pages budget's pages."""
+    from zlc.runtime.batch import SEQUENTIAL_MAX_BATCH, default_max_batch
+    from zlc.runtime.native import native_entry
+
+    rows = bundle.manifest["tilings"][native_entry(bundle.path, bundle.manifest)["tiling"]]["layout"]["chunk"]
+    assert rows == 128
+    assert default_max_batch(bundle, "cpu") == 64
+    assert default_max_batch(bundle, "cpu", prefill_chunk=16) == 112
+    assert default_max_batch(bundle, "cpu", kv_pages=7) == 7
+    assert default_max_batch(bundle, "reference") == default_max_batch(bundle, "interpret") == SEQUENTIAL_MAX_BATCH == 8
+    assert default_max_batch(bundle, "reference", kv_pages=3) == 3
