@@ -23,6 +23,7 @@ from .api_common import (
     get_int,
     get_messages,
     get_stops,
+    get_top_k,
     invalid,
     request_fields,
     text_of,
@@ -32,9 +33,9 @@ from .api_common import (
 IGNORED_FIELDS = frozenset({"metadata", "service_tier", "speed", "inference_geo", "diagnostics", "user_profile_id",
                             "workspace_id", "cache_control"})
 # Fields asking for what zlc does not do: refused with their name (never silently dropped).
-REFUSED_FIELDS = ("tools", "tool_choice", "thinking", "output_config", "container", "top_k")
+REFUSED_FIELDS = ("tools", "tool_choice", "thinking", "output_config", "container")
 KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
-                          "top_p", *IGNORED_FIELDS, *REFUSED_FIELDS})
+                          "top_p", "top_k", *IGNORED_FIELDS, *REFUSED_FIELDS})
 STOP_REASON = {"eos": "end_turn", "max_tokens": "max_tokens", "stop_sequence": "stop_sequence"}
 
 
@@ -100,7 +101,7 @@ class AnthropicApi:
         for unsupported in REFUSED_FIELDS:
             if body.get(unsupported) not in (None, [], {}):
                 raise invalid(f"{unsupported}: not supported by zlc serve (text generation with "
-                              "temperature/top_p sampling only)", unsupported)
+                              "temperature/top_p/top_k sampling only)", unsupported)
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: Input should be an object", "metadata")
@@ -135,6 +136,7 @@ class AnthropicApi:
             # extra_body) may still send temperature/top_p.
             temperature=get_float(body, "temperature", 0.0, 0.0, 1.0),
             top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=get_top_k(body),
             seed=secrets.randbits(63),
             stop_sequences=get_stops(body.get("stop_sequences"), "stop_sequences", 16),
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+MAX_N = 8  # the most choices one request may ask for (OpenAI `n`)
+
 
 class ApiError(Exception):
     """An error answered to the client. ``kind`` is the Anthropic error type; the OpenAI front end
@@ -48,6 +50,13 @@ class GenerationSpec:
     seed: int = 0
     stop_sequences: list[str] = field(default_factory=list)
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    top_k: int = 0  # 0: off (sampling.py has the options' rules)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
+    echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
 
 
@@ -134,7 +143,7 @@ def get_messages(body: dict[str, Any]) -> list[Any]:
 
 
 def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: int | None = None,
-            lo: int | None = None) -> int | None:
+            lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         if required:
@@ -144,6 +153,8 @@ def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: 
         raise invalid(f"{key}: Input should be a valid integer, got {type(v).__name__}", key)
     if lo is not None and v < lo:
         raise invalid(f"{key}: Input should be greater than or equal to {lo}", key)
+    if hi is not None and v > hi:
+        raise invalid(f"{key}: Input should be less than or equal to {hi}", key)
     return v
 
 
@@ -156,6 +167,13 @@ def get_float(body: dict[str, Any], key: str, default: float, lo: float, hi: flo
     if not lo <= v <= hi:
         raise invalid(f"{key}: Input should be between {lo} and {hi}", key)
     return float(v)
+
+
+def get_top_k(body: dict[str, Any]) -> int:
+    """top_k: absent or 0 is off; negative is refused (a u32 in the ring: at most 2**31 - 1)."""
+    v = get_int(body, "top_k", default=0, lo=0, hi=2**31 - 1)
+    assert v is not None
+    return v
 
 
 def get_bool(body: dict[str, Any], key: str) -> bool:

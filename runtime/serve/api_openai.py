@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from .api_common import (
+    MAX_N,
     ApiError,
     ChatPrompt,
     GenerationSpec,
@@ -20,10 +21,12 @@ from .api_common import (
     get_int,
     get_messages,
     get_stops,
+    get_top_k,
     invalid,
     request_fields,
     text_of,
 )
+from .protocol import MAX_TOP_LOGPROBS
 
 # Fields that do not change what a text-only, non-reasoning model computes: accepted, ignored.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -31,11 +34,11 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
                             "parallel_tool_calls"})
 # Asking for what zlc does not do: refused with their name when set (never silently dropped).
 REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
-                  "web_search_options", "logit_bias", "moderation", "top_logprobs")
+                  "web_search_options", "logit_bias", "moderation")
 KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
-                          "stream_options", "temperature", "top_p", "seed", "n", "frequency_penalty",
-                          "presence_penalty", "logprobs", "response_format", "modalities", *IGNORED_FIELDS,
-                          *REFUSED_FIELDS})
+                          "stream_options", "temperature", "top_p", "top_k", "seed", "n", "frequency_penalty",
+                          "presence_penalty", "logprobs", "top_logprobs", "response_format", "modalities",
+                          *IGNORED_FIELDS, *REFUSED_FIELDS})
 FINISH_REASON = {"eos": "stop", "max_tokens": "length", "stop_sequence": "stop"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Anthropic error type -> (OpenAI type, code)
@@ -110,14 +113,15 @@ class OpenAiApi:
             raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
         if body.get("modalities") not in (None, ["text"]):
             raise invalid("modalities: only [\"text\"] is supported", "modalities")
-        if body.get("logprobs"):
-            raise invalid("logprobs: not supported", "logprobs")
-        for penalty in ("frequency_penalty", "presence_penalty"):
-            if get_float(body, penalty, 0.0, -2.0, 2.0) != 0.0:
-                raise invalid(f"{penalty}: only 0 is supported", penalty)
-        n = get_int(body, "n", default=1, lo=1)
-        if n != 1:
-            raise invalid("n: only n=1 is supported (batch 1)", "n")
+        logprobs = get_bool(body, "logprobs")
+        top_logprobs = get_int(body, "top_logprobs", default=0, lo=0, hi=MAX_TOP_LOGPROBS)
+        assert top_logprobs is not None
+        if top_logprobs and not logprobs:
+            raise invalid("top_logprobs: logprobs must be true when top_logprobs is set", "top_logprobs")
+        n = get_int(body, "n", default=1, lo=1, hi=MAX_N)
+        assert n is not None
+        if logprobs or n > 1:  # TEMPORARY: the reply side comes in the next commits
+            raise invalid("logprobs, n: not supported yet", "logprobs" if logprobs else "n")
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1)
@@ -150,6 +154,12 @@ class OpenAiApi:
             stream=get_bool(body, "stream"),
             temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
             top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=get_top_k(body),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=n,
             # the ring carries a u64: a negative seed is its two's complement, still one seed per value
             seed=seed % 2**64 if seed is not None else secrets.randbits(63),
             stop_sequences=get_stops(body.get("stop"), "stop", 4),

@@ -18,7 +18,7 @@ import orjson
 
 from .api_common import Api, ApiError, GenerationSpec, Reply, fit_context
 from .http import HttpConnection, HttpRequest
-from .protocol import EngineError, ResultFlag
+from .protocol import EngineError, RequestFlag, ResultFlag
 from .rings import Request
 from .state import ServerState
 from .textstream import TextStream
@@ -109,7 +109,9 @@ class HttpGeneration:
         self.headers = server.id_headers(self.reply.id)
         rid = self.rid = server.engine.new_id()
         server.metrics.prompt_tokens.inc(len(spec.prompt_ids))
-        request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p, spec.seed)
+        request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p, spec.seed,
+                          RequestFlag.LOGPROBS if spec.logprobs else 0, spec.top_k, spec.frequency_penalty,
+                          spec.presence_penalty, spec.top_logprobs)
         if not server.engine.submit(request, self):
             self.fail(ApiError("overloaded_error", "the server is overloaded (request ring full); retry "
                                "later") if server.engine.up else server.unavailable())

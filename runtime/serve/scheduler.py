@@ -16,8 +16,9 @@ At every step the scheduler
      nobody fails for lack of pages and the oldest always progresses;
   4. samples each row from its logits with its own parameters (greedy: argmax, lowest index on
      ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
-     top_p / seed with its own torch generator), emits the token, retires rows that hit a stop
-     token or max_tokens and closes their sequence at once.
+     top_p / seed with its own torch generator; top_k, penalties and logprobs through a
+     sampling.RowSampler, only for the rows that ask), emits the token, retires rows that hit a
+     stop token or max_tokens and closes their sequence at once.
 
 The host cost of all this per step (everything but backend.step) is measured: ``stats``.
 """
@@ -34,10 +35,11 @@ import numpy as np
 
 from zlc.runtime.batch import BatchBackend, OutOfPages, pages_for
 
-from .protocol import EngineError, ResultFlag
+from .protocol import EngineError, RequestFlag, ResultFlag
 from .rings import Request
+from .sampling import MAX_TOP_LOGPROBS, RowSampler
 
-Emit = Callable[[int, int, int], None]  # (request_id, token, flags)
+Emit = Callable[..., None]  # (request_id, token, flags[, logprob])
 
 
 @dataclass(eq=False)
@@ -52,6 +54,7 @@ class Job:
     temperature: float
     top_p: float
     generator: Any = None  # torch.Generator when sampled
+    sampler: RowSampler | None = None  # top_k, penalties, logprobs (None: none of them)
     seq: int | None = None  # the backend's sequence while admitted
     fed: int = 0  # context tokens in the sequence's KV cache
 
@@ -132,8 +135,10 @@ class Scheduler:
             import torch
 
             gen = torch.Generator().manual_seed(int(r.seed))
+        sampler = RowSampler.of(int(r.top_k), float(r.frequency_penalty), float(r.presence_penalty),
+                                bool(r.flags & RequestFlag.LOGPROBS), min(int(r.top_logprobs), MAX_TOP_LOGPROBS))
         self._order += 1
-        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen))
+        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen, sampler))
 
     def cancel(self, request_id: int) -> bool:
         """Stops the request (its sequence and pages are freed now); False if it is not here."""
@@ -241,6 +246,9 @@ class Scheduler:
         return rows, jobs, want
 
     def _produce(self, job: Job, logits: np.ndarray) -> None:
+        if job.sampler is not None:
+            self._produce_with(job, job.sampler, logits)
+            return
         if job.generator is None:
             tok = int(np.argmax(logits))  # the first maximum: the lowest id on ties
         else:
@@ -249,6 +257,22 @@ class Scheduler:
             from zlc.reference.sampling import sample
 
             tok = sample(torch.from_numpy(logits), job.temperature, job.top_p, job.generator)
+        self.emit(job.rid, tok, self._append(job, tok))
+
+    def _produce_with(self, job: Job, sampler: RowSampler, logits: np.ndarray) -> None:
+        """_produce for a row with options: its token from the adjusted logits, and with logprobs
+        the alternatives (TOP results) before the token's own result, which carries its logprob."""
+        tok = sampler.pick(logits, job.temperature, job.top_p, job.generator)
+        if not sampler.logprobs:
+            self.emit(job.rid, tok, self._append(job, tok))
+            return
+        lp, alternatives = sampler.logprobs_of(logits, tok)
+        for alt, alt_lp in alternatives:
+            self.emit(job.rid, alt, ResultFlag.TOP, alt_lp)
+        self.emit(job.rid, tok, self._append(job, tok), lp)
+
+    def _append(self, job: Job, tok: int) -> int:
+        """Adds `tok` to the job's context; its result's flags (the job retired when LAST)."""
         job.context.append(tok)
         flags = 0
         if tok in self.eos:
@@ -257,7 +281,7 @@ class Scheduler:
             flags |= ResultFlag.LAST
             self._retire(job)
             self.served += 1
-        self.emit(job.rid, tok, flags)
+        return flags
 
     def _retire(self, job: Job) -> None:
         self.running.remove(job)

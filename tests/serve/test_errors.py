@@ -121,7 +121,6 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "get_time", "parameters"
 
 @pytest.mark.parametrize(("field", "kwargs"), [
     ("tools", {"tools": [TOOL]}),
-    ("top_k", {"extra_body": {"top_k": 5}}),  # (not an argument of the 2.x SDK)
     ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
 ])
 def test_refused_feature_anthropic(server: Any, field: str, kwargs: dict[str, Any]) -> None:
