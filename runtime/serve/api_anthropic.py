@@ -18,6 +18,8 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
+    Outcome,
+    TokenLogprob,
     get_bool,
     get_float,
     get_int,
@@ -66,24 +68,27 @@ class MessageReply:
                                                 "content_block": {"type": "text", "text": ""}})
                 + _sse(b"ping", {"type": "ping"}))
 
+    # The Messages API has one choice and no logprobs: index and logprobs are always 0 and None.
     @staticmethod
-    def stream_delta(text: str) -> bytes:
+    def stream_delta(text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
         return _sse(b"content_block_delta", {"type": "content_block_delta", "index": 0,
                                              "delta": {"type": "text_delta", "text": text}})
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
         return (_sse(b"content_block_stop", {"type": "content_block_stop", "index": 0})
                 + _sse(b"message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence},
+                                          "delta": {"stop_reason": STOP_REASON[outcome.reason],
+                                                    "stop_sequence": outcome.stop_sequence},
                                           "usage": {"output_tokens": output_tokens}})
                 + _sse(b"message_stop", {"type": "message_stop"}))
 
     # whole message
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
+        (o,) = outcomes
         return orjson.dumps({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence,
+            "content": [{"type": "text", "text": o.text}],
+            "stop_reason": STOP_REASON[o.reason], "stop_sequence": o.stop_sequence,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens},
         })
 

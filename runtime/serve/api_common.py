@@ -63,29 +63,59 @@ class GenerationSpec:
 @dataclass(slots=True)
 class ChatPrompt:
     """What an API's messages become before tokenizing (prompts.py): the chat, and for Anthropic a
-    final assistant message the reply continues (``prefill``: encoded after the template of the rest)."""
+    final assistant message the reply continues (``prefill``: encoded after the template of the rest).
+    A completion's prompt is no chat: ``text`` (encoded as is, the tokenizer's special tokens
+    added) or ``ids`` (token ids, sent as they are)."""
 
     chat: list[dict[str, str]]
     prefill: str | None = None
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token of a reply (or of an echoed prompt) with its logprob (None: the prompt's first
+    token, which nothing predicts) and its alternatives, most likely first."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How one choice of a reply ended. ``reason`` is eos, max_tokens or stop_sequence; logprobs
+    are None unless asked; ``prompt``/``prompt_logprobs``: the echoed prompt (completions)."""
+
+    text: str
+    reason: str
+    stop_sequence: str | None
+    tokens: int
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Reply(Protocol):
     """One reply's wire form in its API's shapes; the generation path feeds it text as tokens arrive.
-    ``reason`` is eos, max_tokens or stop_sequence."""
+    A reply has spec.n choices (index 0.. n - 1; Anthropic's always 1)."""
 
     id: str  # also sent as the request-id header
 
     def stream_head(self) -> bytes:
         """What a stream starts with (it goes out with the first token)."""
 
-    def stream_delta(self, text: str) -> bytes:
-        """One piece of text as a stream event."""
+    def stream_delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """One piece of text of choice `index` as a stream event (with its tokens' logprobs when asked)."""
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        """What ends a stream."""
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
+        """What ends choice outcome.index's stream; `last`: the whole stream's end (the last choice
+        to finish; output_tokens then counts every choice's tokens)."""
 
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        """The whole reply as one JSON body (not streaming)."""
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
+        """The whole reply as one JSON body (not streaming), its choices in index order."""
 
 
 class Api(Protocol):

@@ -16,6 +16,8 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
+    Outcome,
+    TokenLogprob,
     get_bool,
     get_float,
     get_int,
@@ -54,22 +56,35 @@ _KINDS = {
 }
 
 
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's logprobs in the Chat Completions shape (token text, its UTF-8 bytes, alternatives)."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
 class CompletionReply:
     """One reply's wire form (api_common.Reply)."""
 
-    def __init__(self, model: str, input_tokens: int, include_usage: bool = False):
+    def __init__(self, model: str, input_tokens: int, include_usage: bool = False, n: int = 1,
+                 logprobs: bool = False):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
         self.input_tokens = input_tokens
         self.include_usage = include_usage
+        self.n, self.logprobs = n, logprobs
         # the constant part of every chunk, serialized once
         self._prefix = (b'data: {"id":"' + self.id.encode() + b'","object":"chat.completion.chunk","created":'
                         + str(self.created).encode() + b',"model":' + orjson.dumps(model))
         self._usage_null = b',"usage":null' if include_usage else b""
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _chunk(self, delta: dict[str, Any], finish: str | None, index: int = 0,
+               logprobs: list[TokenLogprob] | None = None) -> bytes:
+        lp = chat_logprobs(logprobs if logprobs is not None else []) if self.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return self._prefix + b',"choices":[' + orjson.dumps(choice) + b"]" + self._usage_null + b"}\n\n"
 
     def _usage(self, output_tokens: int) -> dict[str, int]:
@@ -77,22 +92,25 @@ class CompletionReply:
                 "total_tokens": self.input_tokens + output_tokens}
 
     def stream_head(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return b"".join(self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.n))
 
-    def stream_delta(self, text: str) -> bytes:
-        return self._chunk({"content": text}, None)
+    def stream_delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        return self._chunk({"content": text}, None, index, logprobs)
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        out = self._chunk({}, FINISH_REASON[reason])
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
+        out = self._chunk({}, FINISH_REASON[outcome.reason], outcome.index, outcome.logprobs)
+        if not last:
+            return out
         if self.include_usage:
             out += (self._prefix + b',"choices":[],"usage":' + orjson.dumps(self._usage(output_tokens)) + b"}\n\n")
         return out + b"data: [DONE]\n\n"
 
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
         return orjson.dumps({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": FINISH_REASON[reason]}],
+            "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
+                         "logprobs": chat_logprobs(o.logprobs) if self.logprobs else None,
+                         "finish_reason": FINISH_REASON[o.reason]} for o in outcomes],
             "usage": self._usage(output_tokens),
         })
 
@@ -120,8 +138,6 @@ class OpenAiApi:
             raise invalid("top_logprobs: logprobs must be true when top_logprobs is set", "top_logprobs")
         n = get_int(body, "n", default=1, lo=1, hi=MAX_N)
         assert n is not None
-        if logprobs or n > 1:  # TEMPORARY: the reply side comes in the next commits
-            raise invalid("logprobs, n: not supported yet", "logprobs" if logprobs else "n")
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1)
@@ -168,7 +184,7 @@ class OpenAiApi:
         return spec, ChatPrompt(chat)
 
     def reply(self, model: str, spec: GenerationSpec) -> CompletionReply:
-        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage)
+        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage, spec.n, spec.logprobs)
 
     def status(self, e: ApiError) -> int:
         """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""

@@ -44,8 +44,11 @@ class PromptEncoder:
 
     def texts(self, prompt: ChatPrompt) -> list[str] | None:
         """The strings whose plain encodings, concatenated, are the prompt; None for a tokenizer
-        without a chat template (then encode_chat adds special tokens its own way)."""
+        without a chat template (then encode_chat adds special tokens its own way) and for a
+        completion's text (encoded with the tokenizer's special tokens)."""
         tok = self.tokenizer
+        if prompt.text is not None:
+            return None
         if not tok.has_chat_template:
             if prompt.prefill is not None:
                 raise invalid("a final assistant message (prefill) needs a chat template, and this bundle's "
@@ -62,7 +65,7 @@ class PromptEncoder:
     def check_size(self, prompt: ChatPrompt, texts: list[str] | None) -> int:
         """The prompt's text bytes; the "too long" error if no tokenization could fit them."""
         if texts is None:
-            texts = [m["content"] for m in prompt.chat]
+            texts = [prompt.text] if prompt.text is not None else [m["content"] for m in prompt.chat]
         n = sum(len(t.encode()) for t in texts)
         at_least = n // (self.max_token_bytes * NORMALIZER_SLACK)
         if at_least > self.max_seq:
@@ -71,6 +74,8 @@ class PromptEncoder:
         return n
 
     def encode(self, prompt: ChatPrompt, texts: list[str] | None, *, release_gil: bool = False) -> list[int]:
+        if prompt.text is not None:
+            return list(self.tokenizer.encode(prompt.text))
         if texts is None:
             return list(self.tokenizer.encode_chat(prompt.chat))
         if release_gil:
@@ -85,6 +90,8 @@ class PromptEncoder:
     def prompt_ids(self, prompt: ChatPrompt, done: Callable[[list[int] | ApiError], None]) -> None:
         """Calls `done(ids)` (or `done(error)`): at once for a small prompt, from the loop after a
         thread has encoded a big one."""
+        if prompt.ids is not None:  # token ids: the engine checks them against the vocabulary
+            return done(list(prompt.ids))
         try:
             texts = self.texts(prompt)
             size = self.check_size(prompt, texts)

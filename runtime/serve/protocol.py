@@ -19,6 +19,9 @@ class RequestFlag(enum.IntFlag):
     CANCEL = 1  # stop the request with this id (its prompt is empty)
     PING = 2  # answer with a PONG result (no prompt): the supervisor's liveness check of an idle engine
     LOGPROBS = 4  # every token's result carries its logprob, after top_logprobs TOP results (sampling.py)
+    # PROMPT results first: the logprob of every prompt token after the first (completions' echo);
+    # the prompt is then fed one token per step and never taken from the prefix cache
+    PROMPT_LOGPROBS = 8
 
 
 class ResultFlag(enum.IntFlag):
@@ -32,6 +35,8 @@ class ResultFlag(enum.IntFlag):
     # One of a LOGPROBS request's top_logprobs alternatives, most likely first: token and logprob
     # field are a candidate and its log-probability; the chosen token's own result follows them.
     TOP = 16
+    # A PROMPT_LOGPROBS request's prompt token (token) and its logprob, after its TOP alternatives
+    PROMPT = 32
 
 
 class EngineError(enum.IntEnum):

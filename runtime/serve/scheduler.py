@@ -55,6 +55,8 @@ class Job:
     top_p: float
     generator: Any = None  # torch.Generator when sampled
     sampler: RowSampler | None = None  # top_k, penalties, logprobs (None: none of them)
+    prompt_logprobs: bool = False  # PROMPT_LOGPROBS: prompt rows of one token, each with its logits
+    prompt_done: int = 0  # prompt positions whose PROMPT result is out (a preempted job does not repeat them)
     seq: int | None = None  # the backend's sequence while admitted
     fed: int = 0  # context tokens in the sequence's KV cache
 
@@ -135,10 +137,13 @@ class Scheduler:
             import torch
 
             gen = torch.Generator().manual_seed(int(r.seed))
+        prompt_lp = bool(r.flags & RequestFlag.PROMPT_LOGPROBS)
         sampler = RowSampler.of(int(r.top_k), float(r.frequency_penalty), float(r.presence_penalty),
-                                bool(r.flags & RequestFlag.LOGPROBS), min(int(r.top_logprobs), MAX_TOP_LOGPROBS))
+                                bool(r.flags & RequestFlag.LOGPROBS) or prompt_lp,
+                                min(int(r.top_logprobs), MAX_TOP_LOGPROBS))
         self._order += 1
-        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen, sampler))
+        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen, sampler,
+                                prompt_lp))
 
     def cancel(self, request_id: int) -> bool:
         """Stops the request (its sequence and pages are freed now); False if it is not here."""
@@ -212,7 +217,8 @@ class Scheduler:
                 if owed + pages_for(len(job.context), b.page_size) - shared > b.pages_free():
                     return
             self.waiting.popleft()
-            job.seq = b.open(job.context)
+            # prompt logprobs need every prompt position's logits: nothing from the prefix cache
+            job.seq = b.open(job.context[:1] if job.prompt_logprobs else job.context)
             job.fed = b.length(job.seq)
             if job.fed:
                 self.stats.prefix_hits += 1
@@ -238,6 +244,12 @@ class Scheduler:
             if job.produced > 0 and job.fed >= len(job.context) - 1:
                 continue  # decoding
             assert job.seq is not None
+            if job.prompt_logprobs and job.fed < job.prompt_len - 1:  # one prompt token, its logits
+                rows.append((job.seq, job.context[job.fed:job.fed + 1]))
+                jobs.append(job)
+                want.append(True)
+                chunk -= 1
+                continue
             ids = job.context[job.fed:job.fed + chunk]
             rows.append((job.seq, ids))
             jobs.append(job)
@@ -246,6 +258,14 @@ class Scheduler:
         return rows, jobs, want
 
     def _produce(self, job: Job, logits: np.ndarray) -> None:
+        if job.fed < len(job.context):  # a prompt row of a PROMPT_LOGPROBS job: the next prompt token's logprob
+            if job.fed > job.prompt_done and job.sampler is not None:
+                lp, alternatives = job.sampler.logprobs_of(logits, job.context[job.fed])
+                for alt, alt_lp in alternatives:
+                    self.emit(job.rid, alt, ResultFlag.TOP, alt_lp)
+                self.emit(job.rid, job.context[job.fed], ResultFlag.PROMPT, lp)
+                job.prompt_done = job.fed
+            return
         if job.sampler is not None:
             self._produce_with(job, job.sampler, logits)
             return

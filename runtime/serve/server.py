@@ -40,6 +40,7 @@ from zlc.runtime.batch import DEFAULT_PAGE_SIZE
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
 from .api_common import Api, ApiError
+from .api_completions import COMPLETIONS
 from .api_openai import OPENAI
 from .devices import Device, parse_devices
 from .engine_client import EngineClient
@@ -52,9 +53,10 @@ from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
 ARCHITECTURE = "zero-layer-v1"
-APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI)
+APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI, COMPLETIONS)
 # The generation paths, each in its own API; any other path answers in the API its headers name.
-GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI}
+GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI,
+                                b"/v1/completions": COMPLETIONS}
 
 
 def api_of(req: HttpRequest) -> Api:

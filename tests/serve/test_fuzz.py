@@ -46,7 +46,7 @@ FIELDS = {
                   "stream": st.booleans() | anything,
                   "temperature": st.floats(0, 1) | anything, "top_p": st.floats(0, 1) | anything,
                   "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2) | anything,
-                  "top_k": anything, "tools": anything, "thinking": anything, "service_tier": anything},
+                  "top_k": st.integers(-2, 50) | anything, "tools": anything, "thinking": anything, "service_tier": anything},
     "openai": {"max_tokens": st.integers(-2, 8) | anything, "max_completion_tokens": st.integers(-2, 8) | anything,
                "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | anything,
                "stream": st.booleans() | anything,
@@ -54,7 +54,9 @@ FIELDS = {
                "temperature": st.floats(0, 2) | anything, "top_p": st.floats(0, 1) | anything,
                "seed": st.integers(-2**64, 2**64) | anything, "n": st.integers(0, 3) | anything,
                "frequency_penalty": st.floats(-2, 2) | anything, "presence_penalty": anything,
-               "response_format": st.just({"type": "text"}) | anything, "logprobs": anything, "user": anything,
+               "response_format": st.just({"type": "text"}) | anything, "logprobs": st.booleans() | anything,
+               "top_logprobs": st.integers(-1, 22) | anything, "top_k": st.integers(-2, 50) | anything,
+               "user": anything,
                "tools": anything, "modalities": st.just(["text"]) | anything},
 }
 
