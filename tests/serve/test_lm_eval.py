@@ -41,10 +41,11 @@ def write_tasks(root: Path) -> Path:
 
 
 def test_lm_eval_local_completions_against_zlc_serve(server: Any, chat_bundle: Path, tmp_path: Path) -> None:
-    import zlc
     from lm_eval import simple_evaluate
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
+
+    import zlc
 
     lm = LocalCompletionsAPI(model=MODEL, base_url=server.base_url + "/v1/completions",
                              tokenizer=str(chat_bundle.parent / "tokenizer"), tokenized_requests=True,
