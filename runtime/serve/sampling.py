@@ -12,38 +12,39 @@ then top_k keeps the k largest adjusted logits (ties at the k-th: the lowest ids
 order), and the row samples as before (greedy rows take the argmax, lowest id on ties).
 
 Logprobs are the log-softmax of the model's own logits (before penalties, temperature, top_k and
-top_p: what the model says of the chosen token, as OpenAI and vLLM report them); alternatives come
-most likely first, lowest id first on ties.
+top_p: what the model says of the chosen token, as OpenAI and vLLM report them), computed for the
+chosen token and the alternatives only (one log-sum-exp over the row); alternatives come most
+likely first, lowest id first on ties.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from .protocol import MAX_TOP_LOGPROBS
 
-__all__ = ["MAX_TOP_LOGPROBS", "RowSampler", "log_softmax", "top_alternatives"]
+__all__ = ["MAX_TOP_LOGPROBS", "RowSampler", "log_sum_exp", "top_alternatives"]
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax of a [vocab] row (float64: a logprob of 1e-4 precision over a 50k
-    vocabulary needs more than f32's sum)."""
-    x = logits.astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+def log_sum_exp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) of a [vocab] row; the sum in float64 (f32's would lose 1e-4 over a
+    150k vocabulary). A logprob is then logits[j] - log_sum_exp: no [vocab] log-softmax array."""
+    m = float(logits.max())
+    return m + math.log(float(np.exp(logits - np.float32(m)).sum(dtype=np.float64)))
 
 
-def top_alternatives(lp: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k most likely (token, logprob) pairs of a log-softmax row, most likely first, lowest id
-    first on ties."""
+def top_alternatives(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token, logprob) pairs of a row (its log_sum_exp given), most likely
+    first, lowest id first on ties."""
     if k <= 0:
         return []
-    k = min(k, lp.shape[0])
-    idx = np.argpartition(-lp, k - 1)[:k]
-    order = sorted(idx.tolist(), key=lambda i: (-lp[i], i))
-    return [(int(i), float(lp[i])) for i in order]
+    k = min(k, logits.shape[0])
+    idx = np.argpartition(-logits, k - 1)[:k].tolist()
+    order = sorted(idx, key=lambda i: (-logits[i], i))
+    return [(int(i), float(logits[i]) - lse) for i in order]
 
 
 class RowSampler:
@@ -100,5 +101,5 @@ class RowSampler:
 
     def logprobs_of(self, logits: np.ndarray, tok: int) -> tuple[float, list[tuple[int, float]]]:
         """The chosen token's logprob and the top alternatives, from the raw logits."""
-        lp = log_softmax(logits)
-        return float(lp[tok]), top_alternatives(lp, self.top_logprobs)
+        lse = log_sum_exp(logits)
+        return float(logits[tok]) - lse, top_alternatives(logits, lse, self.top_logprobs)
