@@ -31,13 +31,15 @@ NORMALIZER_SLACK = 4
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, max_seq: int):
+    def __init__(self, tokenizer: Any, max_seq: int, vocab: int | None = None):
+        """`vocab`: the model's (token-id prompts are checked against it here, not in the engine)."""
         from tokenizers import Tokenizer
 
         from zlc.runtime.tokenizer import TOKENIZER_FILE
 
         self.tokenizer = tokenizer
         self.max_seq = max_seq
+        self.vocab = vocab
         self._fast = Tokenizer.from_file(str(tokenizer.folder / TOKENIZER_FILE))
         vocab = self._fast.get_vocab(with_added_tokens=True)
         self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
@@ -90,7 +92,11 @@ class PromptEncoder:
     def prompt_ids(self, prompt: ChatPrompt, done: Callable[[list[int] | ApiError], None]) -> None:
         """Calls `done(ids)` (or `done(error)`): at once for a small prompt, from the loop after a
         thread has encoded a big one."""
-        if prompt.ids is not None:  # token ids: the engine checks them against the vocabulary
+        if prompt.ids is not None:  # token ids, as they are
+            bad = next((t for t in prompt.ids if self.vocab is not None and t >= self.vocab), None)
+            if bad is not None:
+                return done(invalid(f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab - 1})",
+                                    "prompt"))
             return done(list(prompt.ids))
         try:
             texts = self.texts(prompt)

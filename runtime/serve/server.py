@@ -112,7 +112,8 @@ class Server:
         self.model = o.model_name or self.bundle.name
         self.max_seq = self.bundle.max_seq
         self.tokenizer = self.bundle.tokenizer
-        self.encoder = PromptEncoder(self.tokenizer, self.max_seq) if self.tokenizer is not None else None
+        self.encoder = (PromptEncoder(self.tokenizer, self.max_seq, self.bundle.vocab) if self.tokenizer is not None
+                        else None)
         self.frame_key = frame_auth.key_bytes(o.api_key) if o.api_key else None
         self.engine = self._engines(o)
         self.metrics = ServerMetrics(self.engine)

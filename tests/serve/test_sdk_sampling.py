@@ -148,6 +148,10 @@ def test_bad_sampling_options_are_one_400_naming_the_field(server: Any, field: s
     with pytest.raises(openai.BadRequestError) as ec:
         client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
     assert ec.value.param == "logprobs"
+    for prompt in ([1, 10**6], ["a", "b"], [], [[1], [2]]):
+        with pytest.raises(openai.BadRequestError) as ec:
+            client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
+        assert ec.value.param == "prompt" and "prompt" in ec.value.message
     assert metric(server, "zlc_prompt_tokens_total") == before  # nothing reached the engine
 
 
