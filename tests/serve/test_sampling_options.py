@@ -49,8 +49,10 @@ def batch(bundle: Any) -> Any:
     b.close_all()
 
 
-def run(bundle: Any, b: Any, requests: list[Request]) -> dict[int, list[tuple[int, int, float]]]:
-    """Every request's results (token, flags, logprob), all run side by side."""
+def run(bundle: Any, b: Any, requests: list[Request], stats: list[Any] | None = None
+        ) -> dict[int, list[tuple[int, int, float]]]:
+    """Every request's results (token, flags, logprob), all run side by side (the scheduler's
+    stats appended to `stats`)."""
     out: dict[int, list[tuple[int, int, float]]] = {}
 
     def emit(rid: int, tok: int, flags: int, logprob: float = 0.0) -> None:
@@ -59,14 +61,16 @@ def run(bundle: Any, b: Any, requests: list[Request]) -> dict[int, list[tuple[in
     s = Scheduler(b, emit, eos=frozenset(bundle.eos_token_ids), vocab=bundle.vocab, max_batch=4, prefill_chunk=5)
     for r in requests:
         s.submit(r)
-    for _ in range(500):
+    for _ in range(2000):
         if not s.step() and s.idle:
+            if stats is not None:
+                stats.append(s.stats)
             return out
     raise AssertionError("the scheduler did not go idle")
 
 
 def tokens(results: list[tuple[int, int, float]]) -> list[int]:
-    return [t for t, f, _ in results if not f & (ResultFlag.TOP | ResultFlag.ERROR)]
+    return [t for t, f, _ in results if not f & (ResultFlag.TOP | ResultFlag.PROMPT | ResultFlag.ERROR)]
 
 
 def reference_logits(session: Any, prompt: list[int], generated: list[int]) -> np.ndarray:
@@ -158,3 +162,36 @@ def test_logprobs_equal_the_log_softmax_of_the_reference_logits(bundle: Any, bat
             alts, k = [], k + 1
         assert k == len(got)
         assert all(lp == 0.0 for _, _, lp in out[2])  # the plain row's results carry no logprob
+
+
+def test_prompt_logprobs_under_preemption_come_once_each(bundle: Any, session: Any) -> None:
+    """PROMPT_LOGPROBS (completions' echo with logprobs): one PROMPT result per prompt token after
+    the first, equal to the reference log-softmax, each exactly once although a tiny page budget
+    (3 pages of 16 for 4 requests of 14 + 8 tokens) preempts and recomputes sequences; the
+    generated tokens are the solo greedy ones."""
+    made: list[Any] = []
+
+    def make() -> Any:
+        made.append(bundle.session("reference"))
+        return made[-1]
+
+    b = SequentialBatch(make, max_seq=bundle.max_seq, max_seqs=4, max_rows=20, page_size=16, pages_total=3)
+    prompts = [prompt_of(20 + i, 14, bundle.vocab) for i in range(4)]
+    stats: list[Any] = []
+    flags = RequestFlag.LOGPROBS | RequestFlag.PROMPT_LOGPROBS
+    out = run(bundle, b, [Request(i, p, MAX_NEW, flags=flags, top_logprobs=2) for i, p in enumerate(prompts, 1)],
+              stats)
+    b.close_all()
+    assert stats[0].preemptions > 0
+    for i, p in enumerate(prompts, 1):
+        got = [(t, lp) for t, f, lp in out[i] if f & ResultFlag.PROMPT]
+        assert [t for t, _ in got] == p[1:], i
+        session.reset()
+        _, lg = session.prefill(p, all_logits=True, want_logits=True)
+        x = np.asarray(lg, dtype=np.float64)
+        ls = x - x.max(-1, keepdims=True)
+        ls = ls - np.log(np.exp(ls).sum(-1, keepdims=True))
+        assert [lp for _, lp in got] == pytest.approx([ls[k, p[k + 1]] for k in range(len(p) - 1)], abs=1e-4)
+        assert len([1 for _, f, _ in out[i] if f & ResultFlag.TOP]) == 2 * (len(p) - 1 + len(tokens(out[i])))
+        session.reset()
+        assert tokens(out[i]) == list(session.stream(p, MAX_NEW, eos=bundle.eos_token_ids)), i
