@@ -191,9 +191,7 @@ class HttpGeneration:
             choice.alts.append((self.token_text(token), logprob))
             return
         if flags & ResultFlag.PROMPT:
-            if choice.prompt_logprobs is None:  # the first prompt token: nothing predicts it
-                choice.prompt_logprobs = [TokenLogprob(self.token_text(self.spec.prompt_ids[0]), None, [])]
-            choice.prompt_logprobs.append(TokenLogprob(self.token_text(token), logprob, choice.alts))
+            self._prompt_entries(choice).append(TokenLogprob(self.token_text(token), logprob, choice.alts))
             choice.alts = []
             return
         now = time.monotonic_ns()
@@ -224,7 +222,7 @@ class HttpGeneration:
         if stream and self.spec.echo and not choice.echoed:
             choice.echoed = True
             head += self.reply.stream_delta(self._prompt_text(), choice.index,
-                                            choice.prompt_logprobs if choice.logprobs is not None else None)
+                                            self._prompt_entries(choice) if choice.logprobs is not None else None)
         if text.stopped is not None:
             reason = "stop_sequence"
             if not flags & ResultFlag.LAST:
@@ -250,11 +248,20 @@ class HttpGeneration:
             conn.write_stream(head + tail + self.reply.stream_end(outcome, self.produced, last), end=last,
                               headers=self.headers)
             return
+        echo = self.spec.echo
         choice.outcome = Outcome(text.text, reason, text.stopped, choice.produced, choice.index, choice.logprobs,
-                                 self._prompt_text() if self.spec.echo else "", choice.prompt_logprobs)
+                                 self._prompt_text() if echo else "",
+                                 self._prompt_entries(choice) if echo and choice.logprobs is not None else None)
         if last:
             conn.respond(200, self.reply.body([c.outcome for c in self.choices if c.outcome is not None],
                                               self.produced), headers=self.headers)
+
+    def _prompt_entries(self, choice: _Choice) -> list[TokenLogprob]:
+        """The echoed prompt's logprobs so far: its first token (nothing predicts it: null) and
+        the PROMPT results after it."""
+        if choice.prompt_logprobs is None:
+            choice.prompt_logprobs = [TokenLogprob(self.token_text(self.spec.prompt_ids[0]), None, [])]
+        return choice.prompt_logprobs
 
     def _prompt_text(self) -> str:
         if self.prompt_text is None:

@@ -171,6 +171,12 @@ def test_completions_text_stream_stop_and_token_ids(server: Any, bundle: Any, se
     assert streamed == want
     echo = o.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
     assert echo.choices[0].text == prompt + want
+    # a one-token prompt echoed with logprobs: its token (null: nothing predicts it), then the answer's
+    one = o.completions.create(model=MODEL, prompt=ids[:1], max_tokens=1, temperature=0, echo=True, logprobs=0)
+    lp = one.choices[0].logprobs
+    first = [t for t in greedy(session, bundle, ids[:1], 1) if t not in bundle.eos_token_ids]
+    assert lp is not None and lp.tokens == [text_of(bundle, t) for t in ids[:1] + first]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs == [None] + [{}] * len(first)
     if len(want) > 2:
         stop = want[1:3]
         cut = o.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=[stop])
