@@ -31,15 +31,16 @@ NORMALIZER_SLACK = 4
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, max_seq: int, vocab: int | None = None):
-        """`vocab`: the model's (token-id prompts are checked against it here, not in the engine)."""
+    def __init__(self, tokenizer: Any, max_seq: int, model_vocab: int | None = None):
+        """`model_vocab`: the model's vocabulary size (token-id prompts are checked against it here,
+        not in the engine)."""
         from tokenizers import Tokenizer
 
         from zlc.runtime.tokenizer import TOKENIZER_FILE
 
         self.tokenizer = tokenizer
         self.max_seq = max_seq
-        self.vocab = vocab
+        self.model_vocab = model_vocab
         self._fast = Tokenizer.from_file(str(tokenizer.folder / TOKENIZER_FILE))
         vocab = self._fast.get_vocab(with_added_tokens=True)
         self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
@@ -93,10 +94,10 @@ class PromptEncoder:
         """Calls `done(ids)` (or `done(error)`): at once for a small prompt, from the loop after a
         thread has encoded a big one."""
         if prompt.ids is not None:  # token ids, as they are
-            bad = next((t for t in prompt.ids if self.vocab is not None and t >= self.vocab), None)
-            if bad is not None:
-                return done(invalid(f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab - 1})",
-                                    "prompt"))
+            limit = self.model_vocab
+            bad = next((t for t in prompt.ids if limit is not None and t >= limit), None)
+            if bad is not None and limit is not None:
+                return done(invalid(f"prompt: token id {bad} is outside the vocabulary (0..{limit - 1})", "prompt"))
             return done(list(prompt.ids))
         try:
             texts = self.texts(prompt)
