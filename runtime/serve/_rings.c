@@ -43,7 +43,8 @@
  * REQUEST SLOT (64 + 4 * chunk_tokens bytes; chunk_tokens a multiple of 16, default 4096):
  *   0x00 u64 request_id   0x08 u32 flags   0x0C u32 max_tokens   0x10 f32 temperature
  *   0x14 f32 top_p        0x18 u64 seed    0x20 u32 n_tokens (in this slot)
- *   0x24 u32 total_tokens (the whole prompt)   0x28 u32 chunk_index   0x2C..0x40 reserved (0)
+ *   0x24 u32 total_tokens (the whole prompt)   0x28 u32 chunk_index   0x2C u32 top_k (0: off)
+ *   0x30 f32 frequency_penalty   0x34 f32 presence_penalty   0x38 u32 top_logprobs   0x3C reserved (0)
  *   0x40 u32 tokens[chunk_tokens]
  *   A prompt longer than chunk_tokens is split into ceil(total / chunk_tokens) consecutive slots
  *   ("chunks"); every chunk repeats the header fields, and every chunk but the last has
@@ -53,7 +54,8 @@
  *   flags bits 0..30 belong to the serving layer; bit 31 is the ring's.
  *
  * RESULT SLOT (32 bytes):
- *   0x00 u64 request_id   0x08 u32 token   0x0C u32 flags   0x10 u64 t_ns   0x18 u64 reserved (0)
+ *   0x00 u64 request_id   0x08 u32 token   0x0C u32 flags   0x10 u64 t_ns   0x18 f32 logprob
+ *   0x1C u32 reserved (0)
  *   t_ns: CLOCK_MONOTONIC nanoseconds (time.monotonic_ns()); a push with t_ns = 0 stamps it.
  *
  * PROTOCOL (the only synchronization; slots themselves are plain memory):
@@ -152,7 +154,11 @@ typedef struct {
     uint32_t n_tokens;
     uint32_t total_tokens;
     uint32_t chunk_index;
-    uint8_t reserved[20];
+    uint32_t top_k;
+    float frequency_penalty;
+    float presence_penalty;
+    uint32_t top_logprobs;
+    uint32_t reserved;
     /* uint32_t tokens[chunk_tokens] follow at 0x40 */
 } zr_req_slot;
 
@@ -161,7 +167,8 @@ typedef struct {
     uint32_t token;
     uint32_t flags;
     uint64_t t_ns;
-    uint64_t reserved;
+    float logprob;
+    uint32_t reserved;
 } zr_res_slot;
 
 _Static_assert(sizeof(zr_desc) == 32, "descriptor layout");
@@ -176,8 +183,11 @@ _Static_assert(offsetof(zr_req_slot, temperature) == 0x10, "request slot layout"
 _Static_assert(offsetof(zr_req_slot, seed) == 0x18, "request slot layout");
 _Static_assert(offsetof(zr_req_slot, n_tokens) == 0x20, "request slot layout");
 _Static_assert(offsetof(zr_req_slot, chunk_index) == 0x28, "request slot layout");
+_Static_assert(offsetof(zr_req_slot, top_k) == 0x2C, "request slot layout");
+_Static_assert(offsetof(zr_req_slot, top_logprobs) == 0x38, "request slot layout");
 _Static_assert(sizeof(zr_res_slot) == ZR_RES_SLOT_SIZE, "result slot layout");
 _Static_assert(offsetof(zr_res_slot, t_ns) == 0x10, "result slot layout");
+_Static_assert(offsetof(zr_res_slot, logprob) == 0x18, "result slot layout");
 
 /* ------------------------------------------------------------------------------------------ */
 /* Layout                                                                                      */
@@ -541,8 +551,8 @@ static PyObject *Ring_get_chunk_tokens(RingObject *self, void *Py_UNUSED(c)) {
 
 typedef struct {
     uint64_t request_id, seed;
-    uint32_t flags, max_tokens;
-    float temperature, top_p;
+    uint32_t flags, max_tokens, top_k, top_logprobs;
+    float temperature, top_p, frequency_penalty, presence_penalty;
     PyObject *tokens; /* borrowed */
 } req_args;
 
@@ -632,16 +642,23 @@ static uint64_t req_slots_needed(RingObject *self, Py_ssize_t n) {
 }
 
 static int parse_req(PyObject *const *a, Py_ssize_t nargs, req_args *r) {
-    if (nargs != 7) {
+    if (nargs != 7 && nargs != 11) {
         PyErr_Format(PyExc_TypeError,
-                     "a request is (request_id, tokens, max_tokens, temperature, top_p, seed, flags): "
-                     "expected 7 fields, got %zd",
+                     "a request is (request_id, tokens, max_tokens, temperature, top_p, seed, flags[, top_k, "
+                     "frequency_penalty, presence_penalty, top_logprobs]): expected 7 or 11 fields, got %zd",
                      nargs);
         return -1;
     }
+    r->top_k = r->top_logprobs = 0;
+    r->frequency_penalty = r->presence_penalty = 0.0f;
     if (as_u64(a[0], "request_id", &r->request_id) < 0 || as_u32(a[2], "max_tokens", &r->max_tokens) < 0 ||
         as_f32(a[3], "temperature", &r->temperature) < 0 || as_f32(a[4], "top_p", &r->top_p) < 0 ||
         as_u64(a[5], "seed", &r->seed) < 0 || as_u32(a[6], "flags", &r->flags) < 0)
+        return -1;
+    if (nargs == 11 &&
+        (as_u32(a[7], "top_k", &r->top_k) < 0 || as_f32(a[8], "frequency_penalty", &r->frequency_penalty) < 0 ||
+         as_f32(a[9], "presence_penalty", &r->presence_penalty) < 0 ||
+         as_u32(a[10], "top_logprobs", &r->top_logprobs) < 0))
         return -1;
     if (r->flags & ZR_REQ_CONTINUE) {
         PyErr_SetString(PyExc_ValueError, "request flags bit 31 (CONTINUE) is reserved for the ring's chunking");
@@ -693,6 +710,10 @@ static int64_t req_write(RingObject *self, uint64_t tail, uint64_t pos, const re
         s->n_tokens = (uint32_t)n;
         s->total_tokens = (uint32_t)t.n;
         s->chunk_index = (uint32_t)c;
+        s->top_k = r->top_k;
+        s->frequency_penalty = r->frequency_penalty;
+        s->presence_penalty = r->presence_penalty;
+        s->top_logprobs = r->top_logprobs;
         if (tok_copy(&t, done, n, (uint32_t *)(void *)(slot + ZR_REQ_HEADER_SIZE)) < 0) {
             tok_close(&t);
             return -1;
@@ -735,10 +756,13 @@ static PyObject *req_read(RingObject *self, uint64_t head, uint64_t avail, uint6
         done += expect_n;
     }
     *took = need;
-    /* (request_id, tokens as bytes of u32, max_tokens, temperature, top_p, seed, flags) */
-    PyObject *tup = Py_BuildValue("(KNIddKI)", (unsigned long long)s0->request_id, bytes,
+    /* (request_id, tokens as bytes of u32, max_tokens, temperature, top_p, seed, flags, top_k,
+       frequency_penalty, presence_penalty, top_logprobs) */
+    PyObject *tup = Py_BuildValue("(KNIddKIIddI)", (unsigned long long)s0->request_id, bytes,
                                   (unsigned int)s0->max_tokens, (double)s0->temperature, (double)s0->top_p,
-                                  (unsigned long long)s0->seed, (unsigned int)(s0->flags & ~ZR_REQ_CONTINUE));
+                                  (unsigned long long)s0->seed, (unsigned int)(s0->flags & ~ZR_REQ_CONTINUE),
+                                  (unsigned int)s0->top_k, (double)s0->frequency_penalty,
+                                  (double)s0->presence_penalty, (unsigned int)s0->top_logprobs);
     return tup;
 }
 
@@ -812,22 +836,25 @@ static PyObject *RequestRing_slots_needed(RingObject *self, PyObject *arg) {
 /* ---- result ring ---- */
 
 static int parse_res(PyObject *const *a, Py_ssize_t nargs, zr_res_slot *s) {
-    if (nargs < 2 || nargs > 4) {
-        PyErr_Format(PyExc_TypeError, "a result is (request_id, token[, flags[, t_ns]]): got %zd fields", nargs);
+    if (nargs < 2 || nargs > 5) {
+        PyErr_Format(PyExc_TypeError, "a result is (request_id, token[, flags[, t_ns[, logprob]]]): got %zd fields",
+                     nargs);
         return -1;
     }
     s->flags = 0;
     s->t_ns = 0;
+    s->logprob = 0.0f;
     s->reserved = 0;
     if (as_u64(a[0], "request_id", &s->request_id) < 0 || as_u32(a[1], "token", &s->token) < 0 ||
-        (nargs > 2 && as_u32(a[2], "flags", &s->flags) < 0) || (nargs > 3 && as_u64(a[3], "t_ns", &s->t_ns) < 0))
+        (nargs > 2 && as_u32(a[2], "flags", &s->flags) < 0) || (nargs > 3 && as_u64(a[3], "t_ns", &s->t_ns) < 0) ||
+        (nargs > 4 && as_f32(a[4], "logprob", &s->logprob) < 0))
         return -1;
     return 0;
 }
 
 static PyObject *res_tuple(const zr_res_slot *s) {
-    return Py_BuildValue("(KIIK)", (unsigned long long)s->request_id, (unsigned int)s->token,
-                         (unsigned int)s->flags, (unsigned long long)s->t_ns);
+    return Py_BuildValue("(KIIKd)", (unsigned long long)s->request_id, (unsigned int)s->token,
+                         (unsigned int)s->flags, (unsigned long long)s->t_ns, (double)s->logprob);
 }
 
 static PyObject *ResultRing_pop(RingObject *self, PyObject *Py_UNUSED(ignored)) {

@@ -19,11 +19,13 @@ MAX_CHUNK_TOKENS: Final[int]
 MAX_CAPACITY: Final[int]
 REQUEST_CONTINUE: Final[int]
 
-# (request_id, tokens, max_tokens, temperature, top_p, seed, flags); popped tokens are the u32s as bytes
-RequestTuple = tuple[int, Sequence[int] | Buffer, int, float, float, int, int]
-PoppedRequest = tuple[int, bytes, int, float, float, int, int]
-# (request_id, token, flags, t_ns); pushes may leave out flags and t_ns (t_ns 0: stamped at push)
-ResultTuple = tuple[int, int, int, int]
+# (request_id, tokens, max_tokens, temperature, top_p, seed, flags[, top_k, frequency_penalty,
+# presence_penalty, top_logprobs]); popped tokens are the u32s as bytes, and all 11 fields come back
+RequestTuple = (tuple[int, Sequence[int] | Buffer, int, float, float, int, int]
+                | tuple[int, Sequence[int] | Buffer, int, float, float, int, int, int, float, float, int])
+PoppedRequest = tuple[int, bytes, int, float, float, int, int, int, float, float, int]
+# (request_id, token, flags, t_ns, logprob); pushes may leave out the last ones (t_ns 0: stamped at push)
+ResultTuple = tuple[int, int, int, int, float]
 
 def region_size(request_capacity: int, result_capacity: int, chunk_tokens: int = ...) -> int: ...
 def init_region(region: Buffer, request_capacity: int, result_capacity: int, chunk_tokens: int = ...) -> int: ...
@@ -55,6 +57,10 @@ class RequestRing(_Ring):
         top_p: float,
         seed: int,
         flags: int,
+        top_k: int = ...,
+        frequency_penalty: float = ...,
+        presence_penalty: float = ...,
+        top_logprobs: int = ...,
         /,
     ) -> bool: ...
     def push_many(self, requests: Sequence[RequestTuple], /) -> int: ...
@@ -64,7 +70,11 @@ class RequestRing(_Ring):
 
 class ResultRing(_Ring):
     def __init__(self, region: Buffer) -> None: ...
-    def push(self, request_id: int, token: int, flags: int = 0, t_ns: int = 0, /) -> bool: ...
-    def push_many(self, results: Sequence[tuple[int, int] | tuple[int, int, int] | ResultTuple], /) -> int: ...
+    def push(self, request_id: int, token: int, flags: int = 0, t_ns: int = 0, logprob: float = 0.0, /) -> bool: ...
+    def push_many(
+        self,
+        results: Sequence[tuple[int, int] | tuple[int, int, int] | tuple[int, int, int, int] | ResultTuple],
+        /,
+    ) -> int: ...
     def pop(self) -> ResultTuple | None: ...
     def pop_many(self, max_n: int, /) -> list[ResultTuple]: ...

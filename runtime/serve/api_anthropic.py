@@ -18,11 +18,14 @@ from .api_common import (
     ApiError,
     ChatPrompt,
     GenerationSpec,
+    Outcome,
+    TokenLogprob,
     get_bool,
     get_float,
     get_int,
     get_messages,
     get_stops,
+    get_top_k,
     invalid,
     request_fields,
     text_of,
@@ -32,9 +35,9 @@ from .api_common import (
 IGNORED_FIELDS = frozenset({"metadata", "service_tier", "speed", "inference_geo", "diagnostics", "user_profile_id",
                             "workspace_id", "cache_control"})
 # Fields asking for what zlc does not do: refused with their name (never silently dropped).
-REFUSED_FIELDS = ("tools", "tool_choice", "thinking", "output_config", "container", "top_k")
+REFUSED_FIELDS = ("tools", "tool_choice", "thinking", "output_config", "container")
 KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
-                          "top_p", *IGNORED_FIELDS, *REFUSED_FIELDS})
+                          "top_p", "top_k", *IGNORED_FIELDS, *REFUSED_FIELDS})
 STOP_REASON = {"eos": "end_turn", "max_tokens": "max_tokens", "stop_sequence": "stop_sequence"}
 
 
@@ -65,24 +68,27 @@ class MessageReply:
                                                 "content_block": {"type": "text", "text": ""}})
                 + _sse(b"ping", {"type": "ping"}))
 
+    # The Messages API has one choice and no logprobs: index and logprobs are always 0 and None.
     @staticmethod
-    def stream_delta(text: str) -> bytes:
+    def stream_delta(text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
         return _sse(b"content_block_delta", {"type": "content_block_delta", "index": 0,
                                              "delta": {"type": "text_delta", "text": text}})
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
         return (_sse(b"content_block_stop", {"type": "content_block_stop", "index": 0})
                 + _sse(b"message_delta", {"type": "message_delta",
-                                          "delta": {"stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence},
+                                          "delta": {"stop_reason": STOP_REASON[outcome.reason],
+                                                    "stop_sequence": outcome.stop_sequence},
                                           "usage": {"output_tokens": output_tokens}})
                 + _sse(b"message_stop", {"type": "message_stop"}))
 
     # whole message
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
+        (o,) = outcomes
         return orjson.dumps({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": STOP_REASON[reason], "stop_sequence": stop_sequence,
+            "content": [{"type": "text", "text": o.text}],
+            "stop_reason": STOP_REASON[o.reason], "stop_sequence": o.stop_sequence,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens},
         })
 
@@ -100,7 +106,7 @@ class AnthropicApi:
         for unsupported in REFUSED_FIELDS:
             if body.get(unsupported) not in (None, [], {}):
                 raise invalid(f"{unsupported}: not supported by zlc serve (text generation with "
-                              "temperature/top_p sampling only)", unsupported)
+                              "temperature/top_p/top_k sampling only)", unsupported)
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise invalid("metadata: Input should be an object", "metadata")
@@ -135,6 +141,7 @@ class AnthropicApi:
             # extra_body) may still send temperature/top_p.
             temperature=get_float(body, "temperature", 0.0, 0.0, 1.0),
             top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=get_top_k(body),
             seed=secrets.randbits(63),
             stop_sequences=get_stops(body.get("stop_sequences"), "stop_sequences", 16),
         )

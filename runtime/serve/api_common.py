@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+MAX_N = 8  # the most choices one request may ask for (OpenAI `n`)
+
 
 class ApiError(Exception):
     """An error answered to the client. ``kind`` is the Anthropic error type; the OpenAI front end
@@ -48,35 +50,72 @@ class GenerationSpec:
     seed: int = 0
     stop_sequences: list[str] = field(default_factory=list)
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    top_k: int = 0  # 0: off (sampling.py has the options' rules)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
+    echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
 
 
 @dataclass(slots=True)
 class ChatPrompt:
     """What an API's messages become before tokenizing (prompts.py): the chat, and for Anthropic a
-    final assistant message the reply continues (``prefill``: encoded after the template of the rest)."""
+    final assistant message the reply continues (``prefill``: encoded after the template of the rest).
+    A completion's prompt is no chat: ``text`` (encoded as is, the tokenizer's special tokens
+    added) or ``ids`` (token ids, sent as they are)."""
 
     chat: list[dict[str, str]]
     prefill: str | None = None
+    text: str | None = None
+    ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token of a reply (or of an echoed prompt) with its logprob (None: the prompt's first
+    token, which nothing predicts) and its alternatives, most likely first."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How one choice of a reply ended. ``reason`` is eos, max_tokens or stop_sequence; logprobs
+    are None unless asked; ``prompt``/``prompt_logprobs``: the echoed prompt (completions)."""
+
+    text: str
+    reason: str
+    stop_sequence: str | None
+    tokens: int
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Reply(Protocol):
     """One reply's wire form in its API's shapes; the generation path feeds it text as tokens arrive.
-    ``reason`` is eos, max_tokens or stop_sequence."""
+    A reply has spec.n choices (index 0.. n - 1; Anthropic's always 1)."""
 
     id: str  # also sent as the request-id header
 
     def stream_head(self) -> bytes:
         """What a stream starts with (it goes out with the first token)."""
 
-    def stream_delta(self, text: str) -> bytes:
-        """One piece of text as a stream event."""
+    def stream_delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """One piece of text of choice `index` as a stream event (with its tokens' logprobs when asked)."""
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        """What ends a stream."""
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
+        """What ends choice outcome.index's stream; `last`: the whole stream's end (the last choice
+        to finish; output_tokens then counts every choice's tokens)."""
 
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        """The whole reply as one JSON body (not streaming)."""
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
+        """The whole reply as one JSON body (not streaming), its choices in index order."""
 
 
 class Api(Protocol):
@@ -134,7 +173,7 @@ def get_messages(body: dict[str, Any]) -> list[Any]:
 
 
 def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: int | None = None,
-            lo: int | None = None) -> int | None:
+            lo: int | None = None, hi: int | None = None) -> int | None:
     v = body.get(key)
     if v is None:
         if required:
@@ -144,6 +183,8 @@ def get_int(body: dict[str, Any], key: str, *, required: bool = False, default: 
         raise invalid(f"{key}: Input should be a valid integer, got {type(v).__name__}", key)
     if lo is not None and v < lo:
         raise invalid(f"{key}: Input should be greater than or equal to {lo}", key)
+    if hi is not None and v > hi:
+        raise invalid(f"{key}: Input should be less than or equal to {hi}", key)
     return v
 
 
@@ -156,6 +197,13 @@ def get_float(body: dict[str, Any], key: str, default: float, lo: float, hi: flo
     if not lo <= v <= hi:
         raise invalid(f"{key}: Input should be between {lo} and {hi}", key)
     return float(v)
+
+
+def get_top_k(body: dict[str, Any]) -> int:
+    """top_k: absent or 0 is off; negative is refused (a u32 in the ring: at most 2**31 - 1)."""
+    v = get_int(body, "top_k", default=0, lo=0, hi=2**31 - 1)
+    assert v is not None
+    return v
 
 
 def get_bool(body: dict[str, Any], key: str) -> bool:

@@ -12,18 +12,23 @@ from typing import Any
 import orjson
 
 from .api_common import (
+    MAX_N,
     ApiError,
     ChatPrompt,
     GenerationSpec,
+    Outcome,
+    TokenLogprob,
     get_bool,
     get_float,
     get_int,
     get_messages,
     get_stops,
+    get_top_k,
     invalid,
     request_fields,
     text_of,
 )
+from .protocol import MAX_TOP_LOGPROBS
 
 # Fields that do not change what a text-only, non-reasoning model computes: accepted, ignored.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
@@ -31,11 +36,11 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety
                             "parallel_tool_calls"})
 # Asking for what zlc does not do: refused with their name when set (never silently dropped).
 REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
-                  "web_search_options", "logit_bias", "moderation", "top_logprobs")
+                  "web_search_options", "logit_bias", "moderation")
 KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
-                          "stream_options", "temperature", "top_p", "seed", "n", "frequency_penalty",
-                          "presence_penalty", "logprobs", "response_format", "modalities", *IGNORED_FIELDS,
-                          *REFUSED_FIELDS})
+                          "stream_options", "temperature", "top_p", "top_k", "seed", "n", "frequency_penalty",
+                          "presence_penalty", "logprobs", "top_logprobs", "response_format", "modalities",
+                          *IGNORED_FIELDS, *REFUSED_FIELDS})
 FINISH_REASON = {"eos": "stop", "max_tokens": "length", "stop_sequence": "stop"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Anthropic error type -> (OpenAI type, code)
@@ -51,22 +56,35 @@ _KINDS = {
 }
 
 
+def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A choice's logprobs in the Chat Completions shape (token text, its UTF-8 bytes, alternatives)."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
 class CompletionReply:
     """One reply's wire form (api_common.Reply)."""
 
-    def __init__(self, model: str, input_tokens: int, include_usage: bool = False):
+    def __init__(self, model: str, input_tokens: int, include_usage: bool = False, n: int = 1,
+                 logprobs: bool = False):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
         self.input_tokens = input_tokens
         self.include_usage = include_usage
+        self.n, self.logprobs = n, logprobs
         # the constant part of every chunk, serialized once
         self._prefix = (b'data: {"id":"' + self.id.encode() + b'","object":"chat.completion.chunk","created":'
                         + str(self.created).encode() + b',"model":' + orjson.dumps(model))
         self._usage_null = b',"usage":null' if include_usage else b""
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def _chunk(self, delta: dict[str, Any], finish: str | None, index: int = 0,
+               logprobs: list[TokenLogprob] | None = None) -> bytes:
+        lp = chat_logprobs(logprobs if logprobs is not None else []) if self.logprobs else None
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return self._prefix + b',"choices":[' + orjson.dumps(choice) + b"]" + self._usage_null + b"}\n\n"
 
     def _usage(self, output_tokens: int) -> dict[str, int]:
@@ -74,22 +92,25 @@ class CompletionReply:
                 "total_tokens": self.input_tokens + output_tokens}
 
     def stream_head(self) -> bytes:
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return b"".join(self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.n))
 
-    def stream_delta(self, text: str) -> bytes:
-        return self._chunk({"content": text}, None)
+    def stream_delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        return self._chunk({"content": text}, None, index, logprobs)
 
-    def stream_end(self, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
-        out = self._chunk({}, FINISH_REASON[reason])
+    def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
+        out = self._chunk({}, FINISH_REASON[outcome.reason], outcome.index, outcome.logprobs)
+        if not last:
+            return out
         if self.include_usage:
             out += (self._prefix + b',"choices":[],"usage":' + orjson.dumps(self._usage(output_tokens)) + b"}\n\n")
         return out + b"data: [DONE]\n\n"
 
-    def body(self, text: str, reason: str, stop_sequence: str | None, output_tokens: int) -> bytes:
+    def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
         return orjson.dumps({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": FINISH_REASON[reason]}],
+            "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
+                         "logprobs": chat_logprobs(o.logprobs) if self.logprobs else None,
+                         "finish_reason": FINISH_REASON[o.reason]} for o in outcomes],
             "usage": self._usage(output_tokens),
         })
 
@@ -110,14 +131,13 @@ class OpenAiApi:
             raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
         if body.get("modalities") not in (None, ["text"]):
             raise invalid("modalities: only [\"text\"] is supported", "modalities")
-        if body.get("logprobs"):
-            raise invalid("logprobs: not supported", "logprobs")
-        for penalty in ("frequency_penalty", "presence_penalty"):
-            if get_float(body, penalty, 0.0, -2.0, 2.0) != 0.0:
-                raise invalid(f"{penalty}: only 0 is supported", penalty)
-        n = get_int(body, "n", default=1, lo=1)
-        if n != 1:
-            raise invalid("n: only n=1 is supported (batch 1)", "n")
+        logprobs = get_bool(body, "logprobs")
+        top_logprobs = get_int(body, "top_logprobs", default=0, lo=0, hi=MAX_TOP_LOGPROBS)
+        assert top_logprobs is not None
+        if top_logprobs and not logprobs:
+            raise invalid("top_logprobs: logprobs must be true when top_logprobs is set", "top_logprobs")
+        n = get_int(body, "n", default=1, lo=1, hi=MAX_N)
+        assert n is not None
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1)
@@ -150,6 +170,12 @@ class OpenAiApi:
             stream=get_bool(body, "stream"),
             temperature=get_float(body, "temperature", 1.0, 0.0, 2.0),
             top_p=get_float(body, "top_p", 1.0, 0.0, 1.0),
+            top_k=get_top_k(body),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=get_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=n,
             # the ring carries a u64: a negative seed is its two's complement, still one seed per value
             seed=seed % 2**64 if seed is not None else secrets.randbits(63),
             stop_sequences=get_stops(body.get("stop"), "stop", 4),
@@ -158,7 +184,7 @@ class OpenAiApi:
         return spec, ChatPrompt(chat)
 
     def reply(self, model: str, spec: GenerationSpec) -> CompletionReply:
-        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage)
+        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage, spec.n, spec.logprobs)
 
     def status(self, e: ApiError) -> int:
         """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""

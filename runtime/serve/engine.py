@@ -94,9 +94,9 @@ class Engine:
 
     # -- results
 
-    def _emit(self, request_id: int, token: int, flags: int) -> None:
+    def _emit(self, request_id: int, token: int, flags: int, logprob: float = 0.0) -> None:
         results = self.region.results
-        while not results.raw.push(request_id, token, flags, 0):
+        while not results.raw.push(request_id, token, flags, 0, logprob):
             # Ingress drains continuously; a full ring means it is momentarily behind: wake it.
             if self.result_fd is not None:
                 _notify(self.result_fd)

@@ -47,7 +47,7 @@ def request_ring_slots(capacity: int, max_prompt: int, chunk_tokens: int = DEFAU
 
 
 class ResultHandler(Protocol):
-    def on_result(self, token: int, flags: int, t_ns: int) -> None: ...
+    def on_result(self, token: int, flags: int, t_ns: int, logprob: float = 0.0) -> None: ...
 
 
 class EngineClient:
@@ -251,7 +251,7 @@ class EngineClient:
                 self.last_progress = time.monotonic()
                 if self.owed_since is not None:
                     self.owed_since = self.last_progress  # what is still owed is owed from now on
-            for rid, token, flags, t_ns in batch:
+            for rid, token, flags, t_ns, logprob in batch:
                 if rid == PING_ID and flags & ResultFlag.PONG:
                     self.ping_pending = False
                     continue
@@ -262,7 +262,7 @@ class EngineClient:
                     continue
                 if flags & ResultFlag.LAST:
                     del handlers[rid]
-                h.on_result(token, flags, t_ns)
+                h.on_result(token, flags, t_ns, logprob)
             if len(batch) < 1024:
                 self._owed_changed()
                 return

@@ -36,7 +36,7 @@ class FrameReply:
         self.send, self.client_id, self.rid, self.owner, self.key = send, client_id, rid, owner, key
         self.version = version
 
-    def on_result(self, token: int, flags: int, t_ns: int) -> None:
+    def on_result(self, token: int, flags: int, t_ns: int, logprob: float = 0.0) -> None:
         self.send(frames.encode_result(self.client_id, token, flags, self.version))
         if flags & ResultFlag.LAST and self.owner is not None:
             self.owner.pop(self.key, None)

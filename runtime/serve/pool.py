@@ -45,11 +45,11 @@ class _Routed:
             self.waiting = False
             self.pool.queued_tokens[self.engine] -= self.prompt
 
-    def on_result(self, token: int, flags: int, t_ns: int) -> None:
+    def on_result(self, token: int, flags: int, t_ns: int, logprob: float = 0.0) -> None:
         self.settle()
         if flags & ResultFlag.LAST:
             self.pool.routes.pop(self.rid, None)
-        self.handler.on_result(token, flags, t_ns)
+        self.handler.on_result(token, flags, t_ns, logprob)
 
 
 class EnginePool:

@@ -31,21 +31,27 @@ NORMALIZER_SLACK = 4
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, max_seq: int):
+    def __init__(self, tokenizer: Any, max_seq: int, model_vocab: int | None = None):
+        """`model_vocab`: the model's vocabulary size (token-id prompts are checked against it here,
+        not in the engine)."""
         from tokenizers import Tokenizer
 
         from zlc.runtime.tokenizer import TOKENIZER_FILE
 
         self.tokenizer = tokenizer
         self.max_seq = max_seq
+        self.model_vocab = model_vocab
         self._fast = Tokenizer.from_file(str(tokenizer.folder / TOKENIZER_FILE))
         vocab = self._fast.get_vocab(with_added_tokens=True)
         self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1) or 1
 
     def texts(self, prompt: ChatPrompt) -> list[str] | None:
         """The strings whose plain encodings, concatenated, are the prompt; None for a tokenizer
-        without a chat template (then encode_chat adds special tokens its own way)."""
+        without a chat template (then encode_chat adds special tokens its own way) and for a
+        completion's text (encoded with the tokenizer's special tokens)."""
         tok = self.tokenizer
+        if prompt.text is not None:
+            return None
         if not tok.has_chat_template:
             if prompt.prefill is not None:
                 raise invalid("a final assistant message (prefill) needs a chat template, and this bundle's "
@@ -62,7 +68,7 @@ class PromptEncoder:
     def check_size(self, prompt: ChatPrompt, texts: list[str] | None) -> int:
         """The prompt's text bytes; the "too long" error if no tokenization could fit them."""
         if texts is None:
-            texts = [m["content"] for m in prompt.chat]
+            texts = [prompt.text] if prompt.text is not None else [m["content"] for m in prompt.chat]
         n = sum(len(t.encode()) for t in texts)
         at_least = n // (self.max_token_bytes * NORMALIZER_SLACK)
         if at_least > self.max_seq:
@@ -71,6 +77,8 @@ class PromptEncoder:
         return n
 
     def encode(self, prompt: ChatPrompt, texts: list[str] | None, *, release_gil: bool = False) -> list[int]:
+        if prompt.text is not None:
+            return list(self.tokenizer.encode(prompt.text))
         if texts is None:
             return list(self.tokenizer.encode_chat(prompt.chat))
         if release_gil:
@@ -85,6 +93,12 @@ class PromptEncoder:
     def prompt_ids(self, prompt: ChatPrompt, done: Callable[[list[int] | ApiError], None]) -> None:
         """Calls `done(ids)` (or `done(error)`): at once for a small prompt, from the loop after a
         thread has encoded a big one."""
+        if prompt.ids is not None:  # token ids, as they are
+            limit = self.model_vocab
+            bad = next((t for t in prompt.ids if limit is not None and t >= limit), None)
+            if bad is not None and limit is not None:
+                return done(invalid(f"prompt: token id {bad} is outside the vocabulary (0..{limit - 1})", "prompt"))
+            return done(list(prompt.ids))
         try:
             texts = self.texts(prompt)
             size = self.check_size(prompt, texts)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a LOGPROBS request may ask for (OpenAI's limit)
+
 
 class RequestFlag(enum.IntFlag):
     """Request flags: bits 0..30 are the serving layer's (bit 31 marks the ring's continuation
@@ -16,6 +18,10 @@ class RequestFlag(enum.IntFlag):
 
     CANCEL = 1  # stop the request with this id (its prompt is empty)
     PING = 2  # answer with a PONG result (no prompt): the supervisor's liveness check of an idle engine
+    LOGPROBS = 4  # every token's result carries its logprob, after top_logprobs TOP results (sampling.py)
+    # PROMPT results first: the logprob of every prompt token after the first (completions' echo);
+    # the prompt is then fed one token per step and never taken from the prefix cache
+    PROMPT_LOGPROBS = 8
 
 
 class ResultFlag(enum.IntFlag):
@@ -26,6 +32,11 @@ class ResultFlag(enum.IntFlag):
     ERROR = 2  # the request failed; the token field is an EngineError
     LAST = 4  # no more results for this request id (EOS, max_tokens, error or cancel)
     PONG = 8  # the answer to a PING request
+    # One of a LOGPROBS request's top_logprobs alternatives, most likely first: token and logprob
+    # field are a candidate and its log-probability; the chosen token's own result follows them.
+    TOP = 16
+    # A PROMPT_LOGPROBS request's prompt token (token) and its logprob, after its TOP alternatives
+    PROMPT = 32
 
 
 class EngineError(enum.IntEnum):

@@ -55,7 +55,9 @@ _U32 = "I" if array("I").itemsize == 4 else "L"
 @dataclass(slots=True)
 class Request:
     """One generation request. ``tokens`` is stored as ``array('I')`` (u32 token ids); popped
-    requests carry temperature and top_p as the f32 values the slot holds."""
+    requests carry temperature, top_p and the penalties as the f32 values the slot holds.
+    ``top_k`` 0 and penalties 0 leave the distribution alone; ``top_logprobs`` (0..20) alternatives
+    come with every token of a request flagged ``RequestFlag.LOGPROBS``."""
 
     request_id: int
     tokens: Sequence[int]
@@ -64,13 +66,18 @@ class Request:
     top_p: float = 1.0
     seed: int = 0
     flags: int = 0
+    top_k: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tokens, array) and self.tokens.typecode == _U32):
             self.tokens = _u32_array(self.tokens, self.request_id)
 
     def _fields(self) -> tuple[Any, ...]:
-        return (self.request_id, self.tokens, self.max_tokens, self.temperature, self.top_p, self.seed, self.flags)
+        return (self.request_id, self.tokens, self.max_tokens, self.temperature, self.top_p, self.seed, self.flags,
+                self.top_k, self.frequency_penalty, self.presence_penalty, self.top_logprobs)
 
 
 def _u32_array(tokens: Any, request_id: int) -> array[int]:
@@ -98,12 +105,14 @@ def _u32_array(tokens: Any, request_id: int) -> array[int]:
 @dataclass(slots=True)
 class Result:
     """One generated token (or a flag-only event such as an error). ``t_ns`` is CLOCK_MONOTONIC
-    nanoseconds (``time.monotonic_ns()``); 0 on push means "stamp it now"."""
+    nanoseconds (``time.monotonic_ns()``); 0 on push means "stamp it now". ``logprob``: the token's
+    log-probability, for a request that asked for logprobs (0.0 otherwise)."""
 
     request_id: int
     token: int
     flags: int = 0
     t_ns: int = 0
+    logprob: float = 0.0
 
 
 def region_size(request_capacity: int, result_capacity: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
@@ -213,16 +222,16 @@ class RequestRing(_Ring[Request]):
         t = self.raw.pop()
         if t is None:
             return None
-        return Request(t[0], array(_U32, t[1]), t[2], t[3], t[4], t[5], t[6])
+        return Request(t[0], array(_U32, t[1]), *t[2:])
 
     def pop_many(self, max_n: int) -> list[Request]:
         """Up to max_n requests, oldest first (fewer if fewer are published; [] if none)."""
-        return [Request(t[0], array(_U32, t[1]), t[2], t[3], t[4], t[5], t[6]) for t in self.raw.pop_many(max_n)]
+        return [Request(t[0], array(_U32, t[1]), *t[2:]) for t in self.raw.pop_many(max_n)]
 
 
 class ResultRing(_Ring[Result]):
     """The result ring: the serving loop produces, ingress consumes. For hot loops, ``raw``
-    takes and returns plain (request_id, token, flags, t_ns) tuples."""
+    takes and returns plain (request_id, token, flags, t_ns, logprob) tuples."""
 
     raw: _rings.ResultRing
 
@@ -231,11 +240,11 @@ class ResultRing(_Ring[Result]):
 
     def push(self, item: Result) -> bool:
         """Publishes the result; False (nothing written) if the ring is full."""
-        return self.raw.push(item.request_id, item.token, item.flags, item.t_ns)
+        return self.raw.push(item.request_id, item.token, item.flags, item.t_ns, item.logprob)
 
     def push_many(self, items: Iterable[Result]) -> int:
         """Pushes the longest prefix of items that fits, publishing once; returns how many."""
-        return self.raw.push_many([(r.request_id, r.token, r.flags, r.t_ns) for r in items])
+        return self.raw.push_many([(r.request_id, r.token, r.flags, r.t_ns, r.logprob) for r in items])
 
     def pop(self) -> Result | None:
         """The oldest result, or None if the ring is empty."""

@@ -18,8 +18,9 @@ At every step the scheduler
      progresses; then the backend runs the value;
   4. samples each row from its logits with its own parameters (greedy: argmax, lowest index on
      ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
-     top_p / seed with its own torch generator), emits the token, retires rows that hit a stop
-     token or max_tokens and closes their sequence at once.
+     top_p / seed with its own torch generator; top_k, penalties and logprobs through a
+     sampling.RowSampler, only for the rows that ask), emits the token, retires rows that hit a
+     stop token or max_tokens and closes their sequence at once.
 
 The host cost of all this per step (everything but backend.step) is measured: ``stats``.
 """
@@ -37,10 +38,11 @@ import numpy as np
 from zlc.runtime.batch import BatchBackend, pages_for
 from zlc.runtime.kv_manager import BatchStep
 
-from .protocol import EngineError, ResultFlag
+from .protocol import EngineError, RequestFlag, ResultFlag
 from .rings import Request
+from .sampling import MAX_TOP_LOGPROBS, RowSampler
 
-Emit = Callable[[int, int, int], None]  # (request_id, token, flags)
+Emit = Callable[..., None]  # (request_id, token, flags[, logprob])
 
 
 @dataclass(eq=False)
@@ -55,6 +57,9 @@ class Job:
     temperature: float
     top_p: float
     generator: Any = None  # torch.Generator when sampled
+    sampler: RowSampler | None = None  # top_k, penalties, logprobs (None: none of them)
+    prompt_logprobs: bool = False  # PROMPT_LOGPROBS: prompt rows of one token, each with its logits
+    prompt_done: int = 0  # prompt positions whose PROMPT result is out (a preempted job does not repeat them)
     seq: int | None = None  # the backend's sequence while admitted
     fed: int = 0  # context tokens in the sequence's KV cache
 
@@ -135,8 +140,13 @@ class Scheduler:
             import torch
 
             gen = torch.Generator().manual_seed(int(r.seed))
+        prompt_lp = bool(r.flags & RequestFlag.PROMPT_LOGPROBS)
+        sampler = RowSampler.of(int(r.top_k), float(r.frequency_penalty), float(r.presence_penalty),
+                                bool(r.flags & RequestFlag.LOGPROBS) or prompt_lp,
+                                min(int(r.top_logprobs), MAX_TOP_LOGPROBS))
         self._order += 1
-        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen))
+        self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen, sampler,
+                                prompt_lp))
 
     def cancel(self, request_id: int) -> bool:
         """Stops the request (its sequence and pages are freed now); False if it is not here."""
@@ -209,7 +219,8 @@ class Scheduler:
                 if owed + pages_for(len(job.context), b.page_size) - shared > b.pages_free():
                     return
             self.waiting.popleft()
-            job.seq = b.open(job.context)
+            # prompt logprobs need every prompt position's logits: nothing from the prefix cache
+            job.seq = b.open(job.context[:1] if job.prompt_logprobs else job.context)
             job.fed = b.length(job.seq)
             if job.fed:
                 self.stats.prefix_hits += 1
@@ -235,6 +246,12 @@ class Scheduler:
             if job.produced > 0 and job.fed >= len(job.context) - 1:
                 continue  # decoding
             assert job.seq is not None
+            if job.prompt_logprobs and job.fed < job.prompt_len - 1:  # one prompt token, its logits
+                rows.append((job.seq, job.context[job.fed:job.fed + 1]))
+                jobs.append(job)
+                want.append(True)
+                chunk -= 1
+                continue
             ids = job.context[job.fed:job.fed + chunk]
             rows.append((job.seq, ids))
             jobs.append(job)
@@ -243,6 +260,17 @@ class Scheduler:
         return rows, jobs, want
 
     def _produce(self, job: Job, logits: np.ndarray) -> None:
+        if job.fed < len(job.context):  # a prompt row of a PROMPT_LOGPROBS job: the next prompt token's logprob
+            if job.fed > job.prompt_done and job.sampler is not None:
+                lp, alternatives = job.sampler.logprobs_of(logits, job.context[job.fed])
+                for alt, alt_lp in alternatives:
+                    self.emit(job.rid, alt, ResultFlag.TOP, alt_lp)
+                self.emit(job.rid, job.context[job.fed], ResultFlag.PROMPT, lp)
+                job.prompt_done = job.fed
+            return
+        if job.sampler is not None:
+            self._produce_with(job, job.sampler, logits)
+            return
         if job.generator is None:
             tok = int(np.argmax(logits))  # the first maximum: the lowest id on ties
         else:
@@ -251,6 +279,22 @@ class Scheduler:
             from zlc.reference.sampling import sample
 
             tok = sample(torch.from_numpy(logits), job.temperature, job.top_p, job.generator)
+        self.emit(job.rid, tok, self._append(job, tok))
+
+    def _produce_with(self, job: Job, sampler: RowSampler, logits: np.ndarray) -> None:
+        """_produce for a row with options: its token from the adjusted logits, and with logprobs
+        the alternatives (TOP results) before the token's own result, which carries its logprob."""
+        tok = sampler.pick(logits, job.temperature, job.top_p, job.generator)
+        if not sampler.logprobs:
+            self.emit(job.rid, tok, self._append(job, tok))
+            return
+        lp, alternatives = sampler.logprobs_of(logits, tok)
+        for alt, alt_lp in alternatives:
+            self.emit(job.rid, alt, ResultFlag.TOP, alt_lp)
+        self.emit(job.rid, tok, self._append(job, tok), lp)
+
+    def _append(self, job: Job, tok: int) -> int:
+        """Adds `tok` to the job's context; its result's flags (the job retired when LAST)."""
         job.context.append(tok)
         flags = 0
         if tok in self.eos:
@@ -259,7 +303,7 @@ class Scheduler:
             flags |= ResultFlag.LAST
             self._retire(job)
             self.served += 1
-        self.emit(job.rid, tok, flags)
+        return flags
 
     def _retire(self, job: Job) -> None:
         self.running.remove(job)

@@ -40,6 +40,7 @@ from zlc.runtime.batch import default_max_batch
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
 from .api_common import Api, ApiError
+from .api_completions import COMPLETIONS
 from .api_openai import OPENAI
 from .devices import Device, parse_devices
 from .engine_client import EngineClient
@@ -52,9 +53,10 @@ from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
 ARCHITECTURE = "zero-layer-v1"
-APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI)
+APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI, COMPLETIONS)
 # The generation paths, each in its own API; any other path answers in the API its headers name.
-GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI}
+GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI,
+                                b"/v1/completions": COMPLETIONS}
 
 
 def api_of(req: HttpRequest) -> Api:
@@ -110,7 +112,8 @@ class Server:
         self.model = o.model_name or self.bundle.name
         self.max_seq = self.bundle.max_seq
         self.tokenizer = self.bundle.tokenizer
-        self.encoder = PromptEncoder(self.tokenizer, self.max_seq) if self.tokenizer is not None else None
+        self.encoder = (PromptEncoder(self.tokenizer, self.max_seq, self.bundle.vocab) if self.tokenizer is not None
+                        else None)
         self.frame_key = frame_auth.key_bytes(o.api_key) if o.api_key else None
         self.engine = self._engines(o)
         self.metrics = ServerMetrics(self.engine)

@@ -45,8 +45,8 @@ from zlc.runtime.serve.rings import (
 
 HDR = struct.Struct("<QIIQII")  # magic, version, header_size, region_size, n_rings, reserved
 DESC = struct.Struct("<IIIIQQ")  # kind, slot_size, capacity, chunk_tokens, control_offset, slots_offset
-REQ = struct.Struct("<QIIffQIII")  # request slot header up to chunk_index
-RES = struct.Struct("<QIIQQ")
+REQ = struct.Struct("<QIIffQIIIIffII")  # the request slot's 64-byte header
+RES = struct.Struct("<QIIQfI")
 
 
 def f32(x: float) -> float:
@@ -72,18 +72,19 @@ def test_layout_matches_the_documentation() -> None:
     assert DESC.unpack_from(mm, 0x40) == (2, 32, 8, 0, 0x100, 0x180 + 4 * 192)
     assert bytes(mm[0x60:0x80]) == bytes(32)
 
-    assert region.requests.push(Request(9, range(40), 7, 0.5, 0.25, 2**63 + 5, 3))
+    assert region.requests.push(Request(9, range(40), 7, 0.5, 0.25, 2**63 + 5, 3, 40, -0.5, 1.5, 20))
     assert struct.unpack_from("<QQ", mm, 0x80)[0] == 0 and struct.unpack_from("<Q", mm, 0x80 + 64)[0] == 2
     s0, s1 = 0x180, 0x180 + 192
-    assert REQ.unpack_from(mm, s0) == (9, 3 | _rings.REQUEST_CONTINUE, 7, 0.5, 0.25, 2**63 + 5, 32, 40, 0)
-    assert REQ.unpack_from(mm, s1) == (9, 3, 7, 0.5, 0.25, 2**63 + 5, 8, 40, 1)
+    options = (40, -0.5, 1.5, 20, 0)  # top_k, frequency_penalty, presence_penalty, top_logprobs, reserved
+    assert REQ.unpack_from(mm, s0) == (9, 3 | _rings.REQUEST_CONTINUE, 7, 0.5, 0.25, 2**63 + 5, 32, 40, 0, *options)
+    assert REQ.unpack_from(mm, s1) == (9, 3, 7, 0.5, 0.25, 2**63 + 5, 8, 40, 1, *options)
     assert list(array("I", mm[s0 + 64 : s0 + 64 + 128])) == list(range(32))
     assert list(array("I", mm[s1 + 64 : s1 + 64 + 32])) == list(range(32, 40))
 
-    assert region.results.push(Result(11, 12, ResultFlag.EOS | ResultFlag.LAST, 13))
-    assert RES.unpack_from(mm, 0x180 + 4 * 192) == (11, 12, 5, 13, 0)
+    assert region.results.push(Result(11, 12, ResultFlag.EOS | ResultFlag.LAST, 13, -2.25))
+    assert RES.unpack_from(mm, 0x180 + 4 * 192) == (11, 12, 5, 13, -2.25, 0)
     assert struct.unpack_from("<Q", mm, 0x100 + 64)[0] == 1
-    region.results.pop()
+    assert region.results.pop() == Result(11, 12, 5, 13, -2.25)
     assert struct.unpack_from("<Q", mm, 0x100)[0] == 1
     assert region.info["result_slots_offset"] == 0x180 + 4 * 192
     region.close()
@@ -488,11 +489,13 @@ KNUTH = 2654435761
 def _req(seq: int) -> Request:
     n = ((seq * KNUTH) >> 7) % 200  # 0..199 tokens: 1..4 slots of 64
     return Request(seq, array("I", range(seq, seq + n)), seq % 1000, (seq % 8) / 4, 1.0 - (seq % 4) / 8,
-                   (seq * 0x9E3779B97F4A7C15) % 2**64, seq % 3)
+                   (seq * 0x9E3779B97F4A7C15) % 2**64, seq % 3, seq % 50, (seq % 9) / 4 - 1, (seq % 5) / 4,
+                   seq % 21)
 
 
-def _results(start: int, stop: int) -> list[tuple[int, int, int, int]]:
-    return [(s, (s * KNUTH) & 0xFFFFFFFF, s & 7, s + 1) for s in range(start, stop)]
+def _results(start: int, stop: int) -> list[tuple[int, int, int, int, float]]:
+    # logprobs in quarters: exact in the slot's f32
+    return [(s, (s * KNUTH) & 0xFFFFFFFF, s & 7, s + 1, -(s % 64) / 4) for s in range(start, stop)]
 
 
 def _ingress(name: str, out: Any) -> None:
@@ -550,8 +553,7 @@ def _kernel(name: str, out: Any) -> None:
             moved = 0
             for r in reqs.pop_many(64):
                 w = _req(got)
-                if (r.request_id, r.tokens, r.max_tokens, r.temperature, r.top_p, r.seed, r.flags) != (
-                        w.request_id, w.tokens, w.max_tokens, w.temperature, w.top_p, w.seed, w.flags):
+                if r != w:  # every field: all are exact in the slot's f32
                     raise AssertionError(f"request {got}: got {r}, expected {w}")
                 crc = zlib.crc32(r.tokens, crc)
                 got += 1

@@ -13,7 +13,7 @@ from serve_helpers import closed_within
 MODEL = "llama-chat"
 TIMEOUT_S = 10.0  # bound on any single socket wait
 
-PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+PATHS = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions", "completions": "/v1/completions"}
 USER = [{"role": "user", "content": "hi"}]
 
 

@@ -16,7 +16,7 @@ from http_wire import Wire, exchange, good, post
 from serve_helpers import engine_pid, health, metric, wait_for
 
 from zlc.runtime.serve.api_anthropic import ANTHROPIC
-from zlc.runtime.serve.api_common import ApiError, GenerationSpec
+from zlc.runtime.serve.api_common import ApiError, GenerationSpec, Outcome
 from zlc.runtime.serve.api_openai import OPENAI
 from zlc.runtime.serve.http import HttpRequest
 from zlc.runtime.serve.server import api_of
@@ -65,10 +65,11 @@ def sse_data(stream: bytes) -> list[Any]:
 def test_anthropic_replies_are_what_its_sdk_validates() -> None:
     spec = GenerationSpec(prompt_ids=[1, 2, 3], max_tokens=4)
     reply = ANTHROPIC.reply("m", spec)
-    message = anthropic.types.Message.model_validate(json.loads(reply.body("Hi", "stop_sequence", "\n", 2)))
+    message = anthropic.types.Message.model_validate(json.loads(reply.body([Outcome("Hi", "stop_sequence", "\n", 2)],
+                                                                           2)))
     assert (message.usage.input_tokens, message.usage.output_tokens) == (3, 2)
     assert (message.stop_reason, message.stop_sequence, message.content[0].text) == ("stop_sequence", "\n", "Hi")
-    stream = reply.stream_head() + reply.stream_delta("Hi") + reply.stream_end("eos", None, 2)
+    stream = reply.stream_head() + reply.stream_delta("Hi") + reply.stream_end(Outcome("Hi", "eos", None, 2), 2)
     events = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
     kinds = [events.validate_python(d).type for d in sse_data(stream) if d["type"] != "ping"]
     assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
@@ -78,10 +79,12 @@ def test_anthropic_replies_are_what_its_sdk_validates() -> None:
 def test_openai_replies_are_what_its_sdk_validates() -> None:
     spec = GenerationSpec(prompt_ids=[1, 2, 3], max_tokens=4, include_usage=True)
     reply = OPENAI.reply("m", spec)
-    done = openai.types.chat.ChatCompletion.model_validate(json.loads(reply.body("Hi", "max_tokens", None, 4)))
+    done = openai.types.chat.ChatCompletion.model_validate(json.loads(reply.body([Outcome("Hi", "max_tokens", None, 4)],
+                                                                                 4)))
     assert (done.choices[0].finish_reason, done.choices[0].message.content) == ("length", "Hi")
     assert done.usage is not None and done.usage.total_tokens == 7
-    *chunks, last = sse_data(reply.stream_head() + reply.stream_delta("Hi") + reply.stream_end("eos", None, 2))
+    *chunks, last = sse_data(reply.stream_head() + reply.stream_delta("Hi")
+                             + reply.stream_end(Outcome("Hi", "eos", None, 2), 2))
     assert last == "[DONE]"
     parsed = [openai.types.chat.ChatCompletionChunk.model_validate(c) for c in chunks]
     assert [c.choices[0].finish_reason if c.choices else "usage" for c in parsed] == [None, None, "stop", "usage"]

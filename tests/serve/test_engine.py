@@ -56,7 +56,7 @@ def run_until_idle(engine: Engine) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     for _ in range(1000):
         busy = engine.step()
-        out += [(r, t, f) for r, t, f, _ in engine.region.results.raw.pop_many(1000)]
+        out += [(r, t, f) for r, t, f, _, _ in engine.region.results.raw.pop_many(1000)]
         if not busy and engine.idle:
             return out
     raise AssertionError("engine did not go idle")
@@ -112,7 +112,7 @@ def test_cancel_running_and_waiting(backend: Any, bundle: Any) -> None:
     e.step()  # request 1 has produced two tokens
     e.region.requests.push(Request(2, [], 0, flags=RequestFlag.CANCEL))
     e.region.requests.push(Request(1, [], 0, flags=RequestFlag.CANCEL))
-    out = [(r, t, f) for r, t, f, _ in e.region.results.raw.pop_many(100)] + run_until_idle(e)
+    out = [(r, t, f) for r, t, f, _, _ in e.region.results.raw.pop_many(100)] + run_until_idle(e)
     assert [f for r, _, f in out if r == 2] == [ResultFlag.ERROR | ResultFlag.LAST]
     ones = [(t, f) for r, t, f in out if r == 1]
     assert len(ones) < 50 and ones[-1] == (EngineError.CANCELLED, ResultFlag.ERROR | ResultFlag.LAST)
@@ -176,7 +176,7 @@ def test_random_interleavings(backend: Any, bundle: Any, expected: list[list[int
             e.region.requests.push(Request(a, [], 0, flags=RequestFlag.CANCEL))
         else:
             e.step()
-        out += [(r, t, f) for r, t, f, _ in e.region.results.raw.pop_many(1000)]
+        out += [(r, t, f) for r, t, f, _, _ in e.region.results.raw.pop_many(1000)]
     out += run_until_idle(e)
     for rid, (p, n) in submitted.items():
         mine = [(t, f) for r, t, f in out if r == rid]

@@ -46,7 +46,7 @@ FIELDS = {
                   "stream": st.booleans() | anything,
                   "temperature": st.floats(0, 1) | anything, "top_p": st.floats(0, 1) | anything,
                   "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2) | anything,
-                  "top_k": anything, "tools": anything, "thinking": anything, "service_tier": anything},
+                  "top_k": st.integers(-2, 50) | anything, "tools": anything, "thinking": anything, "service_tier": anything},
     "openai": {"max_tokens": st.integers(-2, 8) | anything, "max_completion_tokens": st.integers(-2, 8) | anything,
                "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | anything,
                "stream": st.booleans() | anything,
@@ -54,15 +54,28 @@ FIELDS = {
                "temperature": st.floats(0, 2) | anything, "top_p": st.floats(0, 1) | anything,
                "seed": st.integers(-2**64, 2**64) | anything, "n": st.integers(0, 3) | anything,
                "frequency_penalty": st.floats(-2, 2) | anything, "presence_penalty": anything,
-               "response_format": st.just({"type": "text"}) | anything, "logprobs": anything, "user": anything,
+               "response_format": st.just({"type": "text"}) | anything, "logprobs": st.booleans() | anything,
+               "top_logprobs": st.integers(-1, 22) | anything, "top_k": st.integers(-2, 50) | anything,
+               "user": anything,
                "tools": anything, "modalities": st.just(["text"]) | anything},
+    "completions": {"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 300), max_size=6)
+                    | st.lists(st.text(max_size=5) | st.lists(st.integers(0, 300), max_size=4), max_size=3) | anything,
+                    "max_tokens": st.integers(-1, 8) | anything, "echo": st.booleans() | anything,
+                    "logprobs": st.integers(-1, 22) | anything, "n": st.integers(0, 9) | anything,
+                    "best_of": st.integers(0, 3) | anything, "stream": st.booleans() | anything,
+                    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | anything,
+                    "temperature": st.floats(0, 2) | anything, "top_k": st.integers(-2, 50) | anything,
+                    "frequency_penalty": st.floats(-3, 3) | anything, "suffix": anything,
+                    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | anything}) | anything},
 }
 
 
 @st.composite
 def bodies(draw: Any) -> tuple[str, Any]:
-    api = draw(st.sampled_from(["anthropic", "openai"]))
+    api = draw(st.sampled_from(["anthropic", "openai", "completions"]))
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    if api == "completions":
+        body = {"model": MODEL, "max_tokens": 2, "prompt": "hi"}
     for _ in range(draw(st.integers(0, 4))):
         op = draw(st.sampled_from(["set", "set", "set", "drop", "messages", "extra", "model"]))
         if op == "set":
@@ -112,9 +125,12 @@ def well_formed(api: str, body: Any, r: Response) -> None:
     if api == "anthropic":
         assert reply["type"] == "message" and reply["content"][0]["type"] == "text", reply
         assert reply["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence"), reply
-    else:
+    elif api == "openai":
         assert reply["object"] == "chat.completion", reply
         assert reply["choices"][0]["finish_reason"] in ("stop", "length"), reply
+    else:
+        assert reply["object"] == "text_completion", reply
+        assert all(c["finish_reason"] in ("stop", "length") for c in reply["choices"]), reply
 
 
 @settings(max_examples=150, deadline=None,
