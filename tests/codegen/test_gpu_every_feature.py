@@ -1,6 +1,6 @@
 """Every feature of the kernel compiled for the GPU, no GPU needed: the kernel rendered with every
 `HAS_*` flag on (sliding window, both soft-caps, ALiBi, q/k norms, MoE routing, biases, the
-embedding's norm and positions, the fused MLP down, two activations, every packed weight format the
+embedding's norm and positions, the fused MLP down, every activation, every packed weight format the
 Triton kernel streams) is built by Triton's compiler and ptxas for sm_86 (a10) and sm_90 (h100),
 decode and prefill kernels, with the GPU tiling's constants, each cubin assembled again by the
 older ptxas the bundle ships for older drivers. The interpreter tests run these bodies, but the
