@@ -19,6 +19,7 @@ the same, and the largest logit difference. With --markdown a docs table (docs/p
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -90,9 +91,10 @@ def main() -> None:
     long_prompt = [int(t) for t in rng.integers(0, vocab, a.prompt_tokens)]
     probes = [([int(t) for t in np.random.default_rng(p).integers(0, vocab, PROMPT_LEN)], STEPS)
               for p in range(PROBES)] + [(prompt_ids(a.workdir), 32)]
-    results: dict[str, Any] = {f"{f} {n}": {"pp": [], "tg": [], "level": s.backend.level,
-                                            "qdot": s.backend.lib.zlc_native_qdot().decode()}
-                               for (f, n), s in sessions.items()}
+    results: dict[str, Any] = {}
+    for (f, n), s in sessions.items():
+        s.backend.lib.zlc_native_qdot.restype = ctypes.c_char_p
+        results[f"{f} {n}"] = {"pp": [], "tg": [], "level": s.backend.level, "qdot": s.backend.lib.zlc_native_qdot().decode()}
     keys = list(sessions)
     for rnd in range(a.rounds + 1):
         for i in range(len(keys)):

@@ -262,7 +262,7 @@ def add_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterabl
 NUMERICS = ("exact", "fast")
 #: the packed formats (ir/quant.py names) whose Linears take 8-bit activations under `fast` on the
 #: CPU; the other formats and dense matrices stay exact
-CPU_FAST_FORMATS = ("q8_0", "q4_0", "q4_1")
+CPU_FAST_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def check_numerics(name: str, gpu_targets: Iterable[str] = ()) -> str:

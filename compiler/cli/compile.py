@@ -75,7 +75,7 @@ class CompileProgress:
                    "int4:q4_1 with a min per block); the report gives the logit cost on probe prompts. "
                    "The native and the Triton kernel both stream them.")
 @click.option("--numerics", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
-              help="fast: the native CPU kernel rounds each input row of a Q8_0/Q4_0/Q4_1 matrix to 8 bits per "
+              help="fast: the native CPU kernel rounds each input row of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 matrix to 8 bits per "
                    "block of 32 (llama.cpp's Q8_0) and multiplies with integer dot products.")
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,

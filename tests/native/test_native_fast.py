@@ -1,4 +1,4 @@
-"""`--numerics fast` on the native kernel (issue 36): the Linears of Q8_0 / Q4_0 / Q4_1 matrices
+"""`--numerics fast` on the native kernel (issue 36): the Linears of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 matrices
 round their input rows to 8 bits per block of 32 (llama.cpp's Q8_0) and multiply with integer dot
 products. Oracles: the rounding equals reference/numerics.py's q8_round bit for bit; a Linear
 (zlc_native_q8_gemv, the decode step's panels) equals the rounded rows times gguf's dequantized
@@ -35,10 +35,10 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(find_compiler()[0] is None, reason="no C compiler on this host")
 
 Q = gguf.GGMLQuantizationType
-FAST = {1: Q.Q8_0, 2: Q.Q4_0, 3: Q.Q4_1}  # w_format code -> GGUF type
+FAST = {1: Q.Q8_0, 2: Q.Q4_0, 3: Q.Q4_1, 4: Q.Q5_0, 5: Q.Q5_1}  # w_format code -> GGUF type
 TYPES = {f"blk.{i}.{n}.weight": t for i in range(2) for n, t in (
-    ("attn_q", Q.Q4_0), ("attn_k", Q.Q8_0), ("attn_v", Q.Q4_1), ("attn_output", Q.Q8_0), ("ffn_gate", Q.Q4_1),
-    ("ffn_up", Q.Q4_1), ("ffn_down", Q.Q4_0))} | {"token_embd.weight": Q.Q4_1}
+    ("attn_q", Q.Q4_0), ("attn_k", Q.Q8_0), ("attn_v", Q.Q5_0), ("attn_output", Q.Q8_0), ("ffn_gate", Q.Q5_1),
+    ("ffn_up", Q.Q5_1), ("ffn_down", Q.Q4_0 if i else Q.Q5_0))} | {"token_embd.weight": Q.Q4_1}
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 9, 100, 33, 5]
 #: bundle against the reference: a flipped rounding moves a logit by about 1e-2 in this model
 FLIP_ATOL = 5e-2
@@ -49,7 +49,7 @@ QDOT = {"x86-64-v4-vnni": "avx512-vnni", "x86-64-v4": "avx512bw-maddubs", "x86-6
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    """A tiny Llama in Q8_0 / Q4_0 / Q4_1 (a tied Q4_1 table) compiled with --numerics fast, and
+    """A tiny Llama in Q8_0 / Q4_0 / Q5_0 / Q5_1 (a tied Q4_1 table) compiled with --numerics fast, and
     its libraries this host runs by level, plus the portable loop's build."""
     from zlc.testing.families import hf_model
     from zlc.testing.gguf_files import write_gguf
@@ -170,3 +170,46 @@ def test_exact_reference_differs_from_fast(fast: tuple[Path, dict[str, Path]]) -
         got[num] = be.launch(0, PROMPT, 0, True, True)[1]
         be.close()
     assert float(np.abs(got["exact"] - got["fast"]).max()) > 1e-3
+
+
+_TSAN_CHILD = r"""
+import ctypes, json, sys
+import numpy as np
+import zlc
+from zlc.runtime.megakernel import MegakernelSession
+from zlc.runtime.native import NativeBackend
+bundle, lib, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+nb = NativeBackend(bundle, threads=4, library=lib)
+man = json.load(open(bundle + "/manifest.json"))
+s = MegakernelSession(nb, chunk=nb.chunk, max_seq=man["model"]["max_seq"], vocab=man["model"]["vocab"])
+ref = zlc.load(bundle).session("reference")
+tok, lg = s.prefill(prompt, all_logits=True, want_logits=True)
+err = float(np.abs(lg - ref.prefill(prompt, all_logits=True, want_logits=True)[1]).max())
+for _ in range(3):
+    t2, l2 = s.step(tok, want_logits=True)
+    err = max(err, float(np.abs(l2 - ref.step(tok, want_logits=True)[1]).max()))
+    tok = t2
+s.close()
+print("child done", "tsan" if hasattr(ctypes.CDLL(None), "__tsan_init") else "no tsan", err)
+"""
+
+
+def test_tsan_clean(fast: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    """The fast kernel under ThreadSanitizer, 4 workers: no report (each worker rounds into its own
+    scratch), and still the fast reference's logits."""
+    import os
+    import subprocess
+    import sys
+
+    from native_helpers import tsan_build
+
+    out, _ = fast
+    lib = tmp_path / "megakernel-tsan.so"
+    rt = str(tsan_build(Built(out, None), lib))
+    env = dict(os.environ, LD_PRELOAD=rt, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               TSAN_OPTIONS="halt_on_error=0 exitcode=0 report_signal_unsafe=0")
+    proc = subprocess.run([sys.executable, "-c", _TSAN_CHILD, str(out), str(lib), str(PROMPT)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "child done tsan" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
+    assert float(proc.stdout.split()[-1]) <= FLIP_ATOL
