@@ -19,7 +19,6 @@ the same, and the largest logit difference. With --markdown a docs table (docs/p
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -93,8 +92,7 @@ def main() -> None:
               for p in range(PROBES)] + [(prompt_ids(a.workdir), 32)]
     results: dict[str, Any] = {}
     for (f, n), s in sessions.items():
-        s.backend.lib.zlc_native_qdot.restype = ctypes.c_char_p
-        results[f"{f} {n}"] = {"pp": [], "tg": [], "level": s.backend.level, "qdot": s.backend.lib.zlc_native_qdot().decode()}
+        results[f"{f} {n}"] = {"pp": [], "tg": [], "level": s.backend.level, "qdot": s.backend.qdot}
     keys = list(sessions)
     for rnd in range(a.rounds + 1):
         for i in range(len(keys)):

@@ -40,8 +40,9 @@ TYPES = {f"blk.{i}.{n}.weight": t for i in range(2) for n, t in (
     ("attn_q", Q.Q4_0), ("attn_k", Q.Q8_0), ("attn_v", Q.Q5_0), ("attn_output", Q.Q8_0), ("ffn_gate", Q.Q5_1),
     ("ffn_up", Q.Q5_1), ("ffn_down", Q.Q4_0 if i else Q.Q5_0))} | {"token_embd.weight": Q.Q4_1}
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 7, 9, 100, 33, 5]
-#: bundle against the reference: a flipped rounding moves a logit by about 1e-2 in this model
-FLIP_ATOL = 5e-2
+#: bundle against the reference: a flipped rounding moves the logits by 5e-3..6e-2 in this model (a
+#: value rounded a step apart in one layer; rare: most launches stay at f32 rounding, asserted too)
+FLIP_ATOL = 0.1
 #: the expected integer path per level (the portable build: "portable")
 QDOT = {"x86-64-v4-vnni": "avx512-vnni", "x86-64-v4": "avx512bw-maddubs", "x86-64-v3-vnni": "avx-vnni",
         "x86-64-v3": "avx2-maddubs", "x86-64-v2": "ssse3-maddubs"}
@@ -146,8 +147,13 @@ def test_bundle_equals_the_fast_reference(fast: tuple[Path, dict[str, Path]]) ->
     ref = zlc.load(out).session("reference")
     b = Built(out, None)
     for name, path in libs.items():
-        s = b.session(threads=2, level=name) if name != "portable" else b.session(threads=2, library=path)
+        if name != "portable":
+            s = b.session(threads=2, level=name)
+        else:  # said at session start
+            with pytest.warns(UserWarning, match="no integer dot-product extension.*portable loop"):
+                s = b.session(threads=2, library=path)
         try:
+            assert s.backend.qdot == QDOT.get(name, "portable")
             ref.reset()
             r = run_both(s, ref, PROMPT, steps=4)
             assert max(r["errors"]) <= FLIP_ATOL and r["tokens"] == r["ref_tokens"], (name, r)
@@ -213,3 +219,32 @@ def test_tsan_clean(fast: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
     assert proc.returncode == 0 and "child done tsan" in proc.stdout, proc.stdout + proc.stderr[-4000:]
     assert "ThreadSanitizer" not in proc.stderr, proc.stderr[-6000:]
     assert float(proc.stdout.split()[-1]) <= FLIP_ATOL
+
+
+def test_batched_rows_equal_the_fast_reference(fast: tuple[Path, dict[str, Path]]) -> None:
+    """Three prompts prefilled in one batched launch, then decoded together (the best level): each
+    row's logits and greedy tokens are the fast reference's for its request alone."""
+    from megakernel_cases import greedy_logits
+
+    from zlc.runtime.batch import NativeBatch
+
+    out, _ = fast
+    b = Built(out, None)
+    ref = zlc.load(out).session("reference")
+    prompts, steps = [PROMPT[:7], PROMPT[3:4], PROMPT + PROMPT[:8]], 4
+    with NativeBatch(b.path, b.manifest, threads=2, page_size=4) as nb:
+        seqs = [nb.open() for _ in prompts]
+        got = [[o] for o in nb.step(list(zip(seqs, prompts, strict=True)), [True] * 3)]
+        for _ in range(steps):
+            outs = nb.step([(s, [int(np.argmax(g[-1]))]) for s, g in zip(seqs, got, strict=True)], [True] * 3)
+            for g, o in zip(got, outs, strict=True):
+                g.append(o)
+        errs = []
+        for p, g in zip(prompts, got, strict=True):
+            want = greedy_logits(ref, p, steps)
+            for k in range(steps + 1):
+                assert g[k] is not None and int(np.argmax(g[k])) == int(np.argmax(want[k])), (p, k)
+                errs.append(float(np.abs(g[k] - want[k]).max()))
+        assert max(errs) <= FLIP_ATOL and sorted(errs)[len(errs) // 2] <= 1e-5, errs
+        for s in seqs:
+            nb.close(s)
