@@ -248,3 +248,15 @@ def test_batched_rows_equal_the_fast_reference(fast: tuple[Path, dict[str, Path]
         assert max(errs) <= FLIP_ATOL and sorted(errs)[len(errs) // 2] <= 1e-5, errs
         for s in seqs:
             nb.close(s)
+
+
+def test_cli_numerics_option(fast: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    """`zlc compile --numerics`: fast with a GPU target is one line naming it, before any work; an
+    unknown value is click's usage error."""
+    src = fast[0].parent / "m.gguf"
+    r = CliRunner().invoke(cli, ["compile", str(src), "--target", "cpu", "--target", "a10", "--numerics", "fast",
+                                 "-o", str(tmp_path / "x.zlc")])
+    assert r.exit_code != 0 and "--numerics fast is built for the native CPU kernel only so far: compile a10" in r.output
+    assert "Traceback" not in r.output and not (tmp_path / "x.zlc").exists()
+    r = CliRunner().invoke(cli, ["compile", str(src), "--numerics", "fastest"])
+    assert r.exit_code == 2 and "fastest" in r.output
