@@ -19,6 +19,9 @@ of them alike. A peer whose package is missing is skipped and the table says so:
   Q4_1 file (zlc.testing.gguf_files.requantize_gguf: every block tensor dequantized by gguf and
   quantized to Q8_0 by gguf's quantizer, the metadata copied; the same weights, one file that zlc
   and llama.cpp both read);
+- zlc native gguf fast / gguf-q8_0 fast: the same two files compiled with `--numerics fast` (8-bit
+  activations, integer dot products; bench/cpu_numerics.py sets exact and fast side by side at
+  pp512 / tg128 with their greedy agreement);
 - zlc native nbits4: `zlc compile --dtype bf16` of onnxruntime-genai's `-p int4` build of the same
   weights (its MatMulNBits int4 blocks of 32 kept packed as nbits4_b32, the embedding bf16);
 - transformers fp32: the GGUF dequantized to an fp32 torch model (zlc.testing.zoo.load_smollm2),
@@ -67,12 +70,14 @@ from typing import Any
 
 NEW_TOKENS = 64
 ENGINES = ("zlc-f32", "zlc-bf16", "zlc-int8", "zlc-int4", "zlc-q4_1", "zlc-gguf", "zlc-gguf-q8_0", "zlc-gguf-q4_k_m",
-           "zlc-nbits4", "transformers", "ort-genai", "ort-genai-int4", "llama.cpp", "llama.cpp-q8_0",
+           "zlc-gguf-fast", "zlc-gguf-q8_0-fast", "zlc-nbits4", "transformers", "ort-genai", "ort-genai-int4", "llama.cpp", "llama.cpp-q8_0",
            "llama.cpp-q4_k_m")
-# zlc engine -> (weight dtype, --quantize; "gguf:FORMAT": the GGUF file of that format itself)
+# zlc engine -> (weight dtype, --quantize; "gguf:FORMAT": the GGUF file of that format itself, "gguf:FORMAT:fast"
+# compiled with --numerics fast: 8-bit activations and integer dot products, bench/cpu_numerics.py)
 ZLC = {"zlc-f32": ("fp32", None), "zlc-bf16": ("bf16", None), "zlc-int8": ("bf16", "int8"),
        "zlc-int4": ("bf16", "int4"), "zlc-q4_1": ("bf16", "int4:q4_1"), "zlc-gguf": ("bf16", "gguf:q4_1"),
        "zlc-gguf-q8_0": ("bf16", "gguf:q8_0"), "zlc-gguf-q4_k_m": ("bf16", "gguf:q4_k_m"),
+       "zlc-gguf-fast": ("bf16", "gguf:q4_1:fast"), "zlc-gguf-q8_0-fast": ("bf16", "gguf:q8_0:fast"),
        "zlc-nbits4": ("bf16", "nbits4")}
 # the engines that read a GGUF file, by the file's format; zlc and llama.cpp on one file are compared
 GGUF_ENGINES = {"zlc-gguf": "q4_1", "zlc-gguf-q8_0": "q8_0", "zlc-gguf-q4_k_m": "q4_k_m", "llama.cpp": "q4_1",
@@ -186,8 +191,9 @@ def _bundle(workdir: Path, dtype: str, quantize: str | None = None) -> Path:
         return out
     t0 = time.perf_counter()
     if quantize is not None and quantize.startswith("gguf:"):  # the file itself: its blocks
-        zlc.compile(gguf_file(workdir, quantize.split(":")[1]), targets=["cpu"], dtype=dtype, max_seq=512, out=out,
-                    verify=False, name="smollm2")
+        _, fmt, *num = quantize.split(":")
+        zlc.compile(gguf_file(workdir, fmt), targets=["cpu"], dtype=dtype, max_seq=512, out=out, verify=False,
+                    name="smollm2", numerics=num[0] if num else "exact")
     elif quantize == "nbits4":  # genai's MatMulNBits blocks
         zlc.compile(_genai_model(workdir, "int4") / "model.onnx", targets=["cpu"], dtype=dtype, max_seq=512,
                     tokenizer=zoo.smollm2_gguf_path(), out=out, verify=False, name="smollm2")
@@ -491,6 +497,7 @@ def table(results: dict[str, Any], bw: dict[str, float | None], threads: int) ->
     bwn = bw.get(f"threads_{threads}") or 0.0
     wdt = {"zlc-f32": "f32", "zlc-bf16": "bf16", "zlc-int8": "Q8_0", "zlc-int4": "Q4_0", "zlc-q4_1": "Q4_1",
            "zlc-gguf": "the GGUF's Q4_1 (+ Q8_0 head)", "zlc-gguf-q8_0": "the Q8_0 GGUF's Q8_0",
+           "zlc-gguf-fast": "the GGUF's Q4_1, numerics fast", "zlc-gguf-q8_0-fast": "the Q8_0 GGUF, numerics fast",
            "zlc-nbits4": "genai's int4 (nbits4_b32)", "transformers": "f32", "ort-genai": "f32",
            "ort-genai-int4": "int4 (MatMulNBits b32)", "llama.cpp": "Q4_1", "llama.cpp-q8_0": "Q8_0",
            "zlc-gguf-q4_k_m": "llama.cpp's Q4_K_M mix", "llama.cpp-q4_k_m": "Q4_K_M mix"}

@@ -35,7 +35,9 @@ import jinja2
 import numpy as np
 
 from zlc import bundle as fmt
+from zlc.bundle import CPU_FAST_FORMATS
 from zlc.errors import ZlcError
+from zlc.ir.quant import FORMATS
 from zlc.targets import IsaLevel, isa_levels_for
 
 from . import program as pg
@@ -89,8 +91,9 @@ def compiler_version(cc: str) -> str:
     return out.splitlines()[0].strip() if out.strip() else Path(cc).name
 
 
-def render(p: Program, *, weight_dtype: str, version: str) -> str:
-    """The C source for program `p` (any tiling of the model; the native one in bundles)."""
+def render(p: Program, *, weight_dtype: str, version: str, numerics: str = "exact") -> str:
+    """The C source for program `p` (any tiling of the model; the native one in bundles); `numerics`
+    "fast": the Linears of CPU_FAST_FORMATS take 8-bit activations (templates/qfast.c.jinja)."""
     if p.tiling.fuse_mlp_down:  # the native tiling keeps it off; no C body adds partials atomically
         raise NativeBuildError("the native C kernel does not run the MLP split-K fusion (Tiling.fuse_mlp_down, "
                                "a GPU tiling's): schedule it with the native tiling")
@@ -106,12 +109,14 @@ def render(p: Program, *, weight_dtype: str, version: str) -> str:
                        if op == fmt.OP_LINEAR and not p.desc_int[d, LinearDesc.route]}
                       # a packed embedding table needs the dequantization (W_PACKED) too
                       | {int(p.desc_int[d, EmbedDesc.table_format]) for op, d in used if op == fmt.OP_EMBED}) - {0})
+    fast = [FORMATS[n].code for n in CPU_FAST_FORMATS] if fmt.check_numerics(numerics) == "fast" else []
     t = p.tiling
     return env.get_template("megakernel.c.jinja").render(
         version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS, abi=ABI, error_bad_op=ERROR_BAD_OP, chunk=t.chunk,
         block_t=t.block_t, kv_splits=t.kv_splits, max_seq=p.max_seq, max_k=max(ks or [1]),
-        head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims, w_formats=formats)
+        head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims, w_formats=formats,
+        fast_formats=[f for f in formats if f in fast])
 
 
 @dataclass
@@ -159,23 +164,24 @@ def level_key(source: str, cc: str, cc_version: str, level: IsaLevel) -> str:
     return content_key("native", body, os.path.realpath(cc), cc_version, " ".join(level_flags(level)), *LIBS)
 
 
-def build_native(p: Program, out_dir: Path, *, weight_dtype: str, version: str,
+def build_native(p: Program, out_dir: Path, *, weight_dtype: str, version: str, numerics: str = "exact",
                  machine: str | None = None, progress: Callable[[str], None] | None = None,
                  cache: KernelCache | None = None, pool: Executor | None = None) -> NativeBuild:
     """Renders the kernel into `out_dir/megakernel.c` and compiles one library per ISA level of
     `machine` (this host's by default) as `out_dir/<level>.so`, the compilers running side by side
     (as jobs of `pool` when given, else all at once), or copies them from the compile `cache`
     (codegen/kcache.py; the environment's by default, see `KernelCache.open`). No C compiler:
-    nothing is written and the result says why (the bundle still runs on a GPU or the interpreter)."""
+    nothing is written and the result says why (the bundle still runs on a GPU or the interpreter).
+    `numerics` "fast" also builds the integer dot-product levels (zlc.targets.VNNI_LEVELS)."""
     cc, why = find_compiler()
     if cc is None:
         return NativeBuild(skipped=why)
     cache = cache if cache is not None else KernelCache.open()
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / "megakernel.c"
-    text = render(p, weight_dtype=weight_dtype, version=version)
+    text = render(p, weight_dtype=weight_dtype, version=version, numerics=numerics)
     src.write_text(text)
-    levels = isa_levels_for(machine or platform.machine())
+    levels = isa_levels_for(machine or platform.machine(), numerics)
     cc_version = compiler_version(cc)
     t0 = time.perf_counter()
     rel = out_dir.name

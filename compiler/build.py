@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import write_manifest
+from .bundle import check_numerics, write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
@@ -72,6 +72,7 @@ class Build:
     atol: float | None = None  # None: the default of the model's dtype (verifier.DEFAULT_ATOL)
     debug_waits: bool = False
     quantize: str | None = None  # the packed format of --quantize (ir/quant.py), None: weights as given
+    numerics: str = "exact"  # zlc.bundle.NUMERICS: the native kernel's arithmetic for packed matrices
     progress: Progress | None = None
     lowered: Lowered | None = None
     quantization: dict[str, Any] | None = None  # what --quantize packed and what it cost
@@ -235,7 +236,7 @@ def _native(b: Build) -> None:
         raise ZlcError("the native tiling places weights differently from the cpu tiling (a scheduler bug)")
     b.programs["native"] = prog
     b.tilings["native"] = _write_tables(b.tmp, "native", prog, b.debug_waits)
-    built = build_native(prog, b.tmp / "native", weight_dtype=b.wdtype, version=__version__,
+    built = build_native(prog, b.tmp / "native", weight_dtype=b.wdtype, version=__version__, numerics=b.numerics,
                          progress=lambda s: b.report("native", s), cache=b.cache, pool=b.pool)
     b.native = built.manifest()
     if any(t.name == "cpu" for t in b.targets):
@@ -320,7 +321,7 @@ def _manifest(b: Build) -> None:
         "weights": {"file": "weights.safetensors", "W": {"dtype": b.wdtype, "elements": decode.w_size},
                     "P": {"dtype": "fp32", "elements": decode.p_size}, "placement": decode.weights,
                     **({"Q": decode.q_arena()} if decode.q_size else {})},
-        "quantization": b.quantization, "tilings": b.tilings, "targets": b.target_info, "native": b.native,
+        "numerics": b.numerics, "quantization": b.quantization, "tilings": b.tilings, "targets": b.target_info, "native": b.native,
         "verification": b.verification, "tokenizer": b.tokenizer_info, "compile_seconds": {},  # filled by compile()
         "cache": b.cache.manifest(),  # which libraries and cubins came from the compile cache
     }
@@ -388,7 +389,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             example_inputs: tuple[Any, ...] | None = None, verify: bool = True, atol: float | None = None,
             name: str | None = None, progress: Progress | None = None, force: bool = False,
             debug_waits: bool = False, stop_after: str | None = None, quantize: str | None = None,
-            cache: bool = True, jobs: int | None = None) -> CompileResult:
+            numerics: str = "exact", cache: bool = True, jobs: int | None = None) -> CompileResult:
     """Compiles `model` (an .onnx or .gguf path, a Hugging Face checkpoint directory, or a
     torch.nn.Module with example_inputs) into a bundle
     directory `out` and returns its manifest. Raises ZlcError on bad input; VerificationError
@@ -396,10 +397,12 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     kernels whose waits time out (2 s) into an error flag instead of hanging on a bad table.
     `stop_after=STAGE` ends after that stage: nothing is written to `out`, and the result's
     `build` holds what the stages made (`zlc inspect MODEL --after STAGE`). `quantize`: "int8",
-    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py). `cache`: take
-    libraries and cubins from the compile cache and store them there (codegen/kcache.py); `jobs`:
-    how many builds (C compilers, Triton compiles) run at once (default: the CPUs this process may use)."""
+    "int4", "int4:q4_0" or "int4:q4_1" packs the Linear weights (passes/quantize.py). `numerics`:
+    zlc.bundle's. `cache`: take libraries and cubins from the compile cache and store them there
+    (codegen/kcache.py); `jobs`: how many builds (C compilers, Triton compiles) run at once (default:
+    the CPUs this process may use)."""
     tgs = _targets(targets)
+    check_numerics(numerics, gpu_targets=[t.name for t in tgs if t.is_gpu])
     if dtype not in DTYPES:
         raise ZlcError(f"unknown --dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
     if max_seq < 1:
@@ -426,7 +429,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
     b = Build(model=model, example_inputs=example_inputs, targets=tgs, max_seq=max_seq, name=src_name,
               wdtype=dtype if dtype != "auto" else ("bf16" if any(t.is_gpu for t in tgs) else auto_wdtype(model)),
               out=outdir, tmp=tmp, tokenizer=tokenizer, verify=verify, atol=atol, debug_waits=debug_waits,
-              progress=progress, quantize=qfmt, stop_after=stop_after)
+              progress=progress, quantize=qfmt, stop_after=stop_after, numerics=numerics)
     secs: dict[str, float] = {}
     t0 = time.perf_counter()
     b.cache = _open_cache(cache, b)

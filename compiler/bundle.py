@@ -249,3 +249,28 @@ def add_files(bundle: Path | str, files: Mapping[str, bytes], *, remove: Iterabl
     man["files"] = dict(sorted(listed.items()))
     man["file_bytes"], man["file_samples"] = quick_sums(root, man["files"])
     atomic_write(root / MANIFEST, (json.dumps(man, indent=1) + "\n").encode())
+
+
+# ---- numerics (shared/DESIGN.md "numerics") --------------------------------------------------------
+# What a bundle computes, one option for every target (`zlc compile --numerics`, the manifest's
+# `numerics`, shown by `zlc inspect`). exact: f32 math on the stored weights (the CI oracle). fast:
+# what the hardware's servers do; on the CPU, llama.cpp's arithmetic for block-quantized matrices:
+# each Linear input row rounded to 8 bits per block of 32 (Q8_0), integer dot products against the
+# blocks' quants, f32 per-block scaling. The reference executor emulates the same rounding
+# (reference/numerics.py), so each mode has its oracle. Here, below codegen, the runtime and the
+# reference, so that all of them read one definition.
+NUMERICS = ("exact", "fast")
+#: the packed formats (ir/quant.py names) whose Linears take 8-bit activations under `fast` on the
+#: CPU; the other formats and dense matrices stay exact
+CPU_FAST_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def check_numerics(name: str, gpu_targets: Iterable[str] = ()) -> str:
+    """`name` when it is one of NUMERICS (and `fast` has no GPU target yet), else a one-line ZlcError."""
+    if name not in NUMERICS:
+        raise ZlcError(f"unknown numerics '{name}'; choose one of {', '.join(NUMERICS)}")
+    gpus = list(gpu_targets)
+    if name == "fast" and gpus:
+        raise ZlcError(f"--numerics fast is built for the native CPU kernel only so far: compile {', '.join(gpus)} "
+                       "without it")
+    return name

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .bundle import check_numerics
 from .errors import ZlcError
 
 if TYPE_CHECKING:  # the IR (and torch) load only where traffic is priced: the native runtime imports this
@@ -77,10 +78,23 @@ ISA_LEVELS: tuple[IsaLevel, ...] = (
 )
 
 
-def isa_levels_for(machine: str) -> list[IsaLevel]:
-    """The levels to build on (and for) a `machine`: the x86-64 levels, else one generic build."""
+# The integer dot-product extensions, built only for `fast` numerics (the exact kernel has no use
+# for them): each is its base level plus the one extension, preferred to that base where granted.
+VNNI_LEVELS: tuple[IsaLevel, ...] = (
+    IsaLevel("x86-64-v4-vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"), _V4 + ("avx512_vnni",)),
+    IsaLevel("x86-64-v3-vnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"), _V3 + ("avx_vnni",)),
+)
+
+
+def isa_levels_for(machine: str, numerics: str = "exact") -> list[IsaLevel]:
+    """The levels to build on (and for) a `machine`, best first: the x86-64 levels (with `fast`
+    numerics each VNNI level just before its base), else one generic build."""
     levels = [lv for lv in ISA_LEVELS if lv.machine == machine]
+    if check_numerics(numerics) == "fast":
+        vnni = {lv.name.removesuffix("-vnni"): lv for lv in VNNI_LEVELS if lv.machine == machine}
+        levels = [x for lv in levels for x in ([vnni[lv.name]] if lv.name in vnni else []) + [lv]]
     return levels or [IsaLevel(f"{machine}-generic", machine, (), ())]
+
 
 
 @dataclass(frozen=True)

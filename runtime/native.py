@@ -29,6 +29,7 @@ import mmap
 import os
 import platform
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
@@ -52,6 +53,16 @@ class NativeError(ZlcError):
 
 
 @lru_cache(maxsize=1)
+def _qdot(lib: Any) -> str:
+    """The library's integer dot-product path (zlc_native_qdot; "none" in exact builds and older ones)."""
+    try:
+        fn = lib.zlc_native_qdot
+    except AttributeError:
+        return "none"
+    fn.restype = ctypes.c_char_p
+    return str(fn().decode())
+
+
 def host_cpu_flags() -> frozenset[str]:
     """The CPU feature flags of this host (/proc/cpuinfo `flags`, or `Features` on ARM)."""
     try:
@@ -245,6 +256,10 @@ class NativeBackend:
             raise NativeError(f"cannot load the native kernel {path}: {e}") from e
         if self.lib.zlc_native_abi() != ABI:
             raise NativeError(f"{path} has kernel ABI {self.lib.zlc_native_abi()}, this zlc speaks {ABI}; recompile")
+        self.qdot = _qdot(self.lib)  # --numerics fast: the integer dot-product path ("none": exact)
+        if self.qdot == "portable":  # said once (warnings' default), not per session
+            warnings.warn(f"zlc: {path.name}: this CPU grants no integer dot-product extension the fast numerics "
+                          "use (VNNI, AVX2, SSSE3): its Linears take the portable loop", stacklevel=2)
         tiling = manifest["tilings"][native["tiling"]]
         lay = tiling["layout"]
         self.chunk = int(lay["chunk"])

@@ -95,8 +95,10 @@ class ReferenceBackend:
         texts = [(path / "ir" / f"{m}.zir").read_text() for m in ("prefill", "decode")]
         weights = arena_weights(path, manifest, texts)
         prefill, decode = (in_f64(g) if f64 else g for g in (parse_graph(t, weights) for t in texts))
-        self._prefill = ReferenceExecutor(prefill)
-        self._decode = ReferenceExecutor(decode, state=self._prefill.state)  # one KV cache
+        # a fast bundle's oracle computes its roundings (the manifest says which numerics)
+        num = str(manifest.get("numerics", "exact"))
+        self._prefill = ReferenceExecutor(prefill, numerics=num)
+        self._decode = ReferenceExecutor(decode, state=self._prefill.state, numerics=num)  # one KV cache
         self._ids = prefill.inputs[0].name
         self._logits = prefill.outputs[0].name
         # No fixed activation buffers: a prefill of up to max_seq tokens is one graph run.

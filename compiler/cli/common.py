@@ -241,7 +241,8 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
     m = man["model"]
     ver = man.get("verification", {})
     out.print(f"[bold]{escape(str(path))}[/]: {escape(m['name'])}, {m['layers']} layers, vocab {m['vocab']}, "
-              f"max_seq {m['max_seq']}, weights {man['dtype']['weights']} (f32 math)")
+              f"max_seq {m['max_seq']}, weights {man['dtype']['weights']} (f32 math), "
+              f"numerics {man.get('numerics', 'exact')}")
     vs = ver.get("status", "skipped")
     out.print(f"verification: {vs}" + (f" ({escape(ver['summary'])})" if ver.get("summary") else ""))
     q = man.get("quantization")

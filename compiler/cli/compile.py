@@ -127,6 +127,9 @@ class CompileProgress:
               help="Pack the Linear weights (weight-only, GGUF blocks of 32: int8 = q8_0, int4 = q4_0, "
                    "int4:q4_1 with a min per block); the report gives the logit cost on probe prompts. "
                    "The native and the Triton kernel both stream them.")
+@click.option("--numerics", type=click.Choice(["exact", "fast"]), default="exact", show_default=True,
+              help="fast: the native CPU kernel rounds each input row of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 matrix to 8 bits per "
+                   "block of 32 (llama.cpp's Q8_0) and multiplies with integer dot products.")
 @click.option("--no-cache", is_flag=True, help="Build every native library and cubin, neither taking them from "
               "the compile cache nor storing them there ($ZLC_KERNEL_CACHE, default ~/.cache/zlc/kernels; "
               "$ZLC_KERNEL_CACHE_SIZE bounds it, default 2G).")
@@ -135,7 +138,7 @@ class CompileProgress:
 @click.option("--json", "as_json", is_flag=True, help="Print the compile report as JSON.")
 def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: str, max_seq: int,
                 tokenizer: Path | None, skip_verify: bool, atol: float | None, force: bool, debug_waits: bool,
-                quantize: str | None, no_cache: bool, jobs: int | None, as_json: bool) -> None:
+                quantize: str | None, numerics: str, no_cache: bool, jobs: int | None, as_json: bool) -> None:
     """Compile MODEL into a bundle: one persistent megakernel (AOT cubins per GPU target), its task
     tables, weights, tokenizer and a manifest. MODEL: an ONNX or GGUF file, or a Hugging Face checkpoint
     directory. Checks the lowered model first (against ONNX Runtime; a GGUF file or a checkpoint
@@ -149,7 +152,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
 
         res = compile(model, targets=list(targets) or ["cpu"], out=out, dtype=dtype, max_seq=max_seq,
                       tokenizer=tokenizer, verify=not skip_verify, atol=atol, progress=p, force=force,
-                      debug_waits=debug_waits, quantize=quantize, cache=not no_cache, jobs=jobs)
+                      debug_waits=debug_waits, quantize=quantize, cache=not no_cache, jobs=jobs, numerics=numerics)
         p.done()
     assert res.path is not None  # the whole pipeline ran
     if as_json:
@@ -160,6 +163,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
 
 def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Path) -> dict[str, Any]:
     return {"bundle": str(path), "model": man["model"]["name"], "dtype": man["dtype"],
+            "numerics": man.get("numerics", "exact"),
             "tasks": {k: v["summary"]["tasks"] for k, v in man["tilings"].items()},
             "targets": {k: {"arch": v["arch"], "resources": v.get("resources"), "roofline": v["roofline"]}
                         for k, v in man["targets"].items()},

@@ -15,19 +15,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from zlc.bundle import check_numerics
 from zlc.errors import ZlcError
 from zlc.ir import Graph
 
 from .evaluate import evaluate
 from .kernels import const_tensor
+from .numerics import numerics as with_numerics
 
 
 class ReferenceExecutor:
-    """Runs a graph; holds state buffers (the KV cache) across calls."""
+    """Runs a graph; holds state buffers (the KV cache) across calls. `numerics` (zlc.bundle.NUMERICS):
+    "fast" computes the CPU kernel's roundings (reference/numerics.py), the oracle of a fast bundle."""
 
     def __init__(self, graph: Graph, state_shapes: Mapping[str, int] | None = None,
-                 state: dict[str, torch.Tensor] | None = None):
+                 state: dict[str, torch.Tensor] | None = None, numerics: str = "exact"):
         self.graph = graph
+        self.numerics = check_numerics(numerics)
         self.consts = {id(v): const_tensor(v) for v in graph.consts.values()}
         self.state_dims = dict(state_shapes or {})
         # Executors of the prefill and decode graphs share one state dict (one KV cache).
@@ -61,7 +65,8 @@ class ReferenceExecutor:
         for v in g.state:
             env[id(v)] = self.state[v.name]
         named: dict[str, torch.Tensor] = {}
-        evaluate(g.nodes, env, named=named if keep else None)
+        with with_numerics(self.numerics):
+            evaluate(g.nodes, env, named=named if keep else None)
         for v in g.outputs:
             named[v.name] = env[id(v)]
         return named

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from zlc.errors import IRError, ZlcError
 from zlc.ir import DType, Node, Value
 
+from .numerics import linear
+from .numerics import wide as _wide
+
 Kernel = Callable[[Node, list[Any]], list[torch.Tensor]]
 KERNELS: dict[str, Kernel] = {}
 
@@ -412,12 +415,6 @@ def _cumsum(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 
 # ---- transformer-level kernels ----------------------------------------------------------------
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """`t` in at least f32: half inputs are computed in f32 (what the kernels do); an f64 graph
-    (executor.in_f64, the summation-order oracle) stays f64."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
 @kernel("Embedding")
 def _embedding(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     w, ids = xs
@@ -443,7 +440,7 @@ def _layernorm(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 def _linear(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, w = xs[0], xs[1]
     b = xs[2] if len(xs) > 2 else None
-    y = F.linear(x, w, b)
+    y = linear(node.inputs[1], x, w, b)
     cap = float(node.attrs.get("softcap", 0.0) or 0.0)
     return [torch.tanh(y / cap) * cap if cap > 0 else y]
 
@@ -463,7 +460,8 @@ def _act(name: str, x: torch.Tensor) -> torch.Tensor:
 @kernel("GatedMLP")
 def _gated_mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, wg, wu, wd = xs
-    return [F.linear(_act(node.attrs.get("activation", "silu"), F.linear(x, wg)) * F.linear(x, wu), wd)]
+    g, u, d = node.inputs[1:4]
+    return [linear(d, _act(node.attrs.get("activation", "silu"), linear(g, x, wg)) * linear(u, x, wu), wd)]
 
 
 def moe_routing(node: Node, x: torch.Tensor, w_router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,7 +487,8 @@ def _moe(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     for t in range(flat.shape[0]):  # per token, only its selected experts, in top-k order
         for j in range(fi.shape[1]):
             e = int(fi[t, j])
-            y = F.linear(_act(act, F.linear(flat[t], wg[e])) * F.linear(flat[t], wu[e]), wd[e])
+            h = _act(act, linear(node.inputs[2], flat[t], wg[e])) * linear(node.inputs[3], flat[t], wu[e])
+            y = linear(node.inputs[4], h, wd[e])
             out[t] += fv[t, j] * _wide(y)
     return [out.to(x.dtype).reshape(x.shape)]
 
@@ -497,7 +496,7 @@ def _moe(node: Node, xs: list[Any]) -> list[torch.Tensor]:
 @kernel("MLP")
 def _mlp(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     x, wu, bu, wd, bd = xs
-    return [F.linear(_act(node.attrs.get("activation", "gelu"), F.linear(x, wu, bu)), wd, bd)]
+    return [linear(node.inputs[3], _act(node.attrs.get("activation", "gelu"), linear(node.inputs[1], x, wu, bu)), wd, bd)]
 
 
 @kernel("SplitHeads")

@@ -4,7 +4,7 @@ teacher-forced on one prompt, their logits compared at every position.
 
 Both compute the same model, not the same arithmetic. zlc keeps activations f32 (packed weights are
 dequantized exactly); llama.cpp's CPU dot products with Q8_0 / Q4_1 weights first round each
-activation row to 8 bits per block of 32 (Q8_0 / Q8_1: d = amax / 127 stored as f16, q = round(x / d);
+activation row to 8 bits per block of 32 (Q8_0 / Q8_1: d = amax / 127 stored as f16, q = round(x * 127 / amax);
 Q8_1 also keeps each block's sum as f16, times the weight block's min). The tolerance comes from that
 rounding, computed per case rather than guessed: Hugging Face on the file's weights, once exact and
 once with every Linear's input rounded as llama.cpp rounds it for Q8_0 (q8_activations); on the
@@ -80,12 +80,12 @@ def zlc_logits(path: Path, out: Path, ids: list[int]) -> np.ndarray:
 
 
 def q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """`x` as llama.cpp's quantize_row_q8_0 leaves it: per 32 values d = amax / 127, q = round(x / d)
-    (from the f32 d), dequantized with d as stored, f16."""
-    b = x.reshape(-1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(b / torch.where(d > 0, d, torch.ones_like(d)))
-    return (q * d.half().float()).reshape(x.shape)
+    """`x` as llama.cpp's x86 quantize_row_q8_0 leaves it: per 32 values q = round(x * (127 / amax)),
+    dequantized with d = amax / 127 as stored, f16; the reference executor's rounding of `--numerics
+    fast` (zlc.reference.numerics.q8_round), lifted from here."""
+    from zlc.reference.numerics import q8_round
+
+    return q8_round(x)
 
 
 def hf_logits(model: torch.nn.Module, ids: list[int], rounded: bool) -> np.ndarray:
