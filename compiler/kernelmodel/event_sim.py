@@ -111,6 +111,12 @@ class SimParams:
     instr: float  # µs per warp instruction per warp of a program (warps / IPC / clock)
     claim_overlapped: bool = True
     l2_cap: float = math.inf  # bytes of prefetched weights L2 holds for their tasks at once
+    # calibrated terms (kernelmodel/calibration.py, fitted on the measured device runs; neutral by
+    # default): a fixed cost every task pays before it signals (the claim's broadcast, the row and
+    # descriptor words, dispatch, the signal's own issue: what the SASS path prices too little), and
+    # the share of its Little's-law rate a weight or KV stream reaches
+    task: float = 0.0
+    stream_eff: float = 1.0
 
 
 @dataclass
@@ -195,7 +201,7 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         heapq.heappush(ev, (t, seq, kind, k))
 
     def demand(s: TaskShape, lat: float) -> float:
-        return max(1e-9, min(s.in_flight / lat if s.in_flight > 0 else p.sm_bw, p.sm_bw))
+        return max(1e-9, p.stream_eff * min(s.in_flight / lat if s.in_flight > 0 else p.sm_bw, p.sm_bw))
 
     next_index = 0
     prog_next: dict[int, tuple[int, float, int]] = {}  # program -> (claimed task, usable at, claimed at task)
@@ -348,7 +354,7 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         t.body, t.body_by = (end, by) if end >= chain_end[k] else (chain_end[k], "chain")
         after = min(s.post_rt, s.tail_rt) * p.l2 + min(s.post_instrs, s.instrs) * p.instr  # the signal first
         push(t.body + s.tail_rt * p.l2 + s.instrs * p.instr + s.fences * p.fence + s.invalidations * p.inval
-             + s.atomics * p.atomic + s.barriers * p.barrier - after, "finish", k)
+             + s.atomics * p.atomic + s.barriers * p.barrier + p.task - after, "finish", k)
 
     while ev or fluid.heap:
         te = ev[0][0] if ev else math.inf

@@ -165,8 +165,9 @@ def min_level_us(lp: LatencyParams) -> float:
     simulation's own terms: the producer's release fence, the signal reaching a poller that is
     already spinning (the wait resolves t_sig after the producer's finish), and the one L2 round
     trip that brings the first activation after the wait (the weights may all be in flight before
-    it). A step with L levels takes at least L times this, plus the launch."""
-    return lp.fence_us + lp.sync_us + lp.l2_us
+    it), and the calibrated fixed cost of its task. A step with L levels takes at least L times
+    this, plus the launch."""
+    return lp.fence_us + lp.sync_us + lp.l2_us + lp.task_us
 
 
 def _floor_verdict(pred: Prediction, lp: LatencyParams, step_levels: int) -> tuple[str, bool, str]:

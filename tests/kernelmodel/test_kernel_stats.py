@@ -375,7 +375,7 @@ def test_a_level_count_too_high_for_the_floor_target_is_called_unreachable(level
     from zlc.kernelmodel.report import _floor_verdict, min_level_us
 
     lp = params_for("h200", "central")
-    assert min_level_us(lp) == pytest.approx(lp.fence_us + lp.sync_us + lp.l2_us)
+    assert min_level_us(lp) == pytest.approx(lp.fence_us + lp.sync_us + lp.l2_us + lp.task_us)
     crit = {"length": 94, "levels": 94, "us": {"fixed": 300.0, "sync": 60.0, "stream": 30.0},  # a shorter path binds
             "terms_us": {"signal_to_poll": 94 * 0.35, "poll_round_trips": 94 * 0.3}}
     pred = Prediction("h200", 512, {"low": 300.0, "central": 390.0, "high": 600.0},
