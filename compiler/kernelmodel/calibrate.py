@@ -44,7 +44,7 @@ from .triton_source import KernelSource
 __all__ = ["Case", "Fit", "case_inputs", "fit", "leave_one_out", "nelder_mead", "predicted", "main"]
 
 NAMES = ("launch_us", "task_cycles", "sync_rt", "stream_eff")
-START = Calibration(launch_us=4.0, task_cycles=1000.0, sync_rt=1.0, stream_eff=0.8)
+START = Calibration(launch_us=20.0, task_cycles=4000.0, sync_rt=4.0, stream_eff=0.5)
 
 
 @dataclass
@@ -212,32 +212,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "zlc" / "calibrate")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--loo-iters", type=int, default=40, help="simplex steps of each leave-one-out refit")
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
     ap.add_argument("--write", action="store_true", help="store the fit in the data file")
     a = ap.parse_args(argv)
     data = load(a.data)
     names = {read_manifest(b)["model"]["name"]: b for b in a.bundle}
-    meas = [m for m in data["measurements"] if m["model"] in names and m.get("fit", True)]
+    every = [m for m in data["measurements"] if m["model"] in names]
+    meas = [m for m in every if m.get("fit", True)]
     if not meas:
         print(f"no measurement of {', '.join(names)} in {a.data}", file=sys.stderr)
         return 2
     cases: dict[tuple[str, str, int], Case] = {}
-    for m in meas:
+    for m in every:
         k = (m["model"], m["target"], int(m["context"]))
         if k not in cases:
             print(f"  task shapes: {k[0]} {k[1]} context {k[2]}", file=sys.stderr, flush=True)
             cases[k] = case_inputs(names[m["model"]], m["target"], k[2], a.cache)
     f = fit(meas, cases, iters=a.iters)
-    loo = None if a.no_loo else leave_one_out(meas, cases, f)
+    loo = None if a.no_loo else leave_one_out(meas, cases, f, a.loo_iters)
     terms = {n: round(getattr(f.cal, n), 4) for n in NAMES}
     print(f"fitted on {len(meas)} measurements, {len(NAMES)} terms: "
           + ", ".join(f"{k} {v:g}" for k, v in terms.items()))
     print(_table(meas, f, loo))
+    rest = [m for m in every if not m.get("fit", True)]
+    checked = [p / float(m["value"]) - 1 for m, p in zip(rest, evaluate(f.cal, rest, cases), strict=True)]
+    if rest:
+        print("\nnot fitted (replicate runs, and figures no added term can reach; calibration.json says why):")
+        print(_table(rest, Fit(f.cal, checked, 0.0), None))
     if a.write:
         data["fit"] = {"terms": terms, "fitted_on": ", ".join(sorted({m["source"].split(",")[0] for m in meas})),
                        "command": "python -m zlc.kernelmodel.calibrate " + " ".join(argv if argv is not None else sys.argv[1:]),
                        "residuals": {m["id"]: round(r, 4) for m, r in zip(meas, f.residuals, strict=True)},
-                       "leave_one_out": None if loo is None else {m["id"]: round(r, 4) for m, r in zip(meas, loo, strict=True)}}
+                       "leave_one_out": None if loo is None else {m["id"]: round(r, 4) for m, r in zip(meas, loo, strict=True)},
+                       "not_fitted_residuals": {m["id"]: round(r, 4) for m, r in zip(rest, checked, strict=True)}}
         a.data.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
         print(f"wrote the fit to {a.data}", file=sys.stderr)
     return 0
