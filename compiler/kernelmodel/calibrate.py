@@ -13,7 +13,7 @@ and the decode context it was measured at:
 
 The fit runs the event simulation (event_sim.py) on each bundle's decode task shapes
 (latency.task_shapes, the machine code's paths; cached) with the target's central parameters and a
-candidate calibration (calibration.py's four terms), and minimizes the sum of squared log
+candidate calibration (calibration.py's terms: the launch measured, the other three fitted), and minimizes the sum of squared log
 residuals (Nelder-Mead in a transformed space: positive terms in logs, the efficiency through a
 logistic). Leave-one-out: each measurement predicted by the fit on the others. `--write` stores the
 terms, residuals and leave-one-out residuals in calibration.json, which `params_for` then applies.
@@ -124,15 +124,15 @@ def evaluate(cal: Calibration, meas: Sequence[dict[str, Any]], cases: dict[tuple
     return out
 
 
-def _to_cal(x: Sequence[float]) -> Calibration:
-    return Calibration(math.exp(x[0]), math.exp(x[1]), math.exp(x[2]), 1.0 / (1.0 + math.exp(-x[3])))
+def _to_cal(x: Sequence[float], launch_us: float) -> Calibration:
+    return Calibration(launch_us, math.exp(x[0]), math.exp(x[1]), 1.0 / (1.0 + math.exp(-x[2])))
 
 
 def _from_cal(c: Calibration) -> list[float]:
-    return [math.log(c.launch_us), math.log(c.task_cycles), math.log(c.sync_rt), math.log(c.stream_eff / (1 - c.stream_eff))]
+    return [math.log(c.task_cycles), math.log(c.sync_rt), math.log(c.stream_eff / (1 - c.stream_eff))]
 
 
-def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.5, iters: int = 200,
+def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.3, iters: int = 200,
                 tol: float = 1e-6) -> tuple[list[float], float]:
     """The textbook simplex (reflect 1, expand 2, contract 0.5, shrink 0.5): derivative-free,
     which the simulation's piecewise-linear, list-scheduled step needs."""
@@ -174,26 +174,39 @@ class Fit:
 
 def fit(meas: Sequence[dict[str, Any]], cases: dict[tuple[str, str, int], Case], start: Calibration = START,
         iters: int = 200) -> Fit:
-    """The calibration that minimizes the squared log residuals over `meas`."""
+    """The calibration that minimizes the squared log residuals over `meas` (the launch term is
+    measured, not fitted: `start.launch_us` is kept)."""
     def loss(x: list[float]) -> float:
-        pred = evaluate(_to_cal(x), meas, cases)
+        pred = evaluate(_to_cal(x, start.launch_us), meas, cases)
         return sum(float(m.get("weight", 1.0)) * math.log(p / float(m["value"])) ** 2 for m, p in zip(meas, pred, strict=True))
 
     x, v = nelder_mead(loss, _from_cal(start), iters=iters)
-    cal = _to_cal(x)
+    cal = _to_cal(x, start.launch_us)
     pred = evaluate(cal, meas, cases)
     return Fit(cal, [p / float(m["value"]) - 1 for m, p in zip(meas, pred, strict=True)], v)
 
 
+_SHARED: dict[str, Any] = {}
+
+
+def _loo_one(i: int) -> float:
+    meas, cases, start, iters = _SHARED["args"]
+    rest = [x for j, x in enumerate(meas) if j != i]
+    f = fit(rest, cases, start, iters)
+    return evaluate(f.cal, [meas[i]], cases)[0] / float(meas[i]["value"]) - 1
+
+
 def leave_one_out(meas: Sequence[dict[str, Any]], cases: dict[tuple[str, str, int], Case], full: Fit,
-                  iters: int = 80) -> list[float]:
-    """Each measurement's residual under the fit on all the others (started from the full fit)."""
-    out = []
-    for i, m in enumerate(meas):
-        rest = [x for j, x in enumerate(meas) if j != i]
-        f = fit(rest, cases, full.cal, iters)
-        out.append(evaluate(f.cal, [m], cases)[0] / float(m["value"]) - 1)
-    return out
+                  iters: int = 80, jobs: int = 1) -> list[float]:
+    """Each measurement's residual under the fit on all the others (started from the full fit;
+    `jobs` refits at once in forked processes, which share the task shapes)."""
+    _SHARED["args"] = (list(meas), cases, full.cal, iters)
+    if jobs <= 1:
+        return [_loo_one(i) for i in range(len(meas))]
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(jobs) as pool:
+        return pool.map(_loo_one, range(len(meas)))
 
 
 def _table(meas: Sequence[dict[str, Any]], fitted: Fit, loo: list[float] | None) -> str:
@@ -214,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--loo-iters", type=int, default=40, help="simplex steps of each leave-one-out refit")
     ap.add_argument("--no-loo", action="store_true", help="skip the leave-one-out refits")
+    ap.add_argument("--jobs", type=int, default=1, help="leave-one-out refits at once")
+    ap.add_argument("--start", type=float, nargs=4, default=None, metavar=NAMES,
+                    help="the simplex's starting terms (default: a physically plausible guess)")
     ap.add_argument("--write", action="store_true", help="store the fit in the data file")
     a = ap.parse_args(argv)
     data = load(a.data)
@@ -229,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
         if k not in cases:
             print(f"  task shapes: {k[0]} {k[1]} context {k[2]}", file=sys.stderr, flush=True)
             cases[k] = case_inputs(names[m["model"]], m["target"], k[2], a.cache)
-    f = fit(meas, cases, iters=a.iters)
-    loo = None if a.no_loo else leave_one_out(meas, cases, f, a.loo_iters)
+    launch = float(data["launch_us"]["value"])  # measured: the host's share of a step, see the data file
+    start = Calibration(*a.start) if a.start else START
+    f = fit(meas, cases, replace(start, launch_us=launch), iters=a.iters)
+    loo = None if a.no_loo else leave_one_out(meas, cases, f, a.loo_iters, a.jobs)
     terms = {n: round(getattr(f.cal, n), 4) for n in NAMES}
-    print(f"fitted on {len(meas)} measurements, {len(NAMES)} terms: "
+    print(f"fitted on {len(meas)} measurements, {len(NAMES) - 1} terms (launch_us measured): "
           + ", ".join(f"{k} {v:g}" for k, v in terms.items()))
     print(_table(meas, f, loo))
     rest = [m for m in every if not m.get("fit", True)]
