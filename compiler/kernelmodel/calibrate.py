@@ -14,8 +14,7 @@ and the decode context it was measured at:
 The fit runs the event simulation (event_sim.py) on each bundle's decode task shapes
 (latency.task_shapes, the machine code's paths; cached) with the target's central parameters and a
 candidate calibration (calibration.py's terms: the launch measured, the other three fitted), and minimizes the sum of squared log
-residuals (Nelder-Mead in a transformed space: positive terms in logs, the efficiency through a
-logistic). Leave-one-out: each measurement predicted by the fit on the others. `--write` stores the
+residuals (Nelder-Mead over the terms' logarithms). Leave-one-out: each measurement predicted by the fit on the others. `--write` stores the
 terms, residuals and leave-one-out residuals in calibration.json, which `params_for` then applies.
 """
 
@@ -43,8 +42,8 @@ from .triton_source import KernelSource
 
 __all__ = ["Case", "Fit", "case_inputs", "fit", "leave_one_out", "nelder_mead", "predicted", "main"]
 
-NAMES = ("launch_us", "task_cycles", "sync_rt", "stream_eff")
-START = Calibration(launch_us=20.0, task_cycles=4000.0, sync_rt=4.0, stream_eff=0.5)
+NAMES = ("launch_us", "task_cycles", "sync_rt", "dram_x")
+START = Calibration(launch_us=20.0, task_cycles=2000.0, sync_rt=2.0, dram_x=2.0)
 
 
 @dataclass
@@ -85,8 +84,8 @@ def case_inputs(bundle: Path, target: str, context: int, cache: Path | None = No
 
 
 def calibrated_params(base: SimParams, cal: Calibration, l2_us: float, clock_ghz: float) -> SimParams:
-    t = cal.terms(l2_us, clock_ghz)
-    return replace(base, launch=t["launch_us"], task=t["task_us"], sig=t["sync_us"], stream_eff=t["stream_eff"])
+    t = cal.terms(l2_us, clock_ghz, base.dram)
+    return replace(base, launch=t["launch_us"], task=t["task_us"], sig=t["sync_us"], dram=t["dram_us"])
 
 
 def predicted(m: dict[str, Any], case: Case, res: SimResult) -> float:
@@ -125,11 +124,11 @@ def evaluate(cal: Calibration, meas: Sequence[dict[str, Any]], cases: dict[tuple
 
 
 def _to_cal(x: Sequence[float], launch_us: float) -> Calibration:
-    return Calibration(launch_us, math.exp(x[0]), math.exp(x[1]), 1.0 / (1.0 + math.exp(-x[2])))
+    return Calibration(launch_us, math.exp(x[0]), math.exp(x[1]), math.exp(x[2]))
 
 
 def _from_cal(c: Calibration) -> list[float]:
-    return [math.log(c.task_cycles), math.log(c.sync_rt), math.log(c.stream_eff / (1 - c.stream_eff))]
+    return [math.log(c.task_cycles), math.log(c.sync_rt), math.log(c.dram_x)]
 
 
 def nelder_mead(f: Callable[[list[float]], float], x0: Sequence[float], step: float = 0.3, iters: int = 200,

@@ -8,7 +8,9 @@ measurement takes them through its own physical parameters:
     launch_us      per step, host side: the launch, the kernel's exit and the host's sync (µs)
     task_cycles    a fixed cost every task pays before its signal (SM cycles: / the target's clock)
     sync_rt        signal -> poll, the per-level wait (L2 round trips: x the target's L2 latency)
-    stream_eff     the share of its Little's-law rate a weight / KV stream reaches (a fraction)
+    dram_x         the DRAM latency under the kernel's load, as a multiple of the target's unloaded
+                   range: a stream's first byte, and by Little's law its rate (bytes in flight /
+                   latency), both follow it
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ class Calibration:
     launch_us: float
     task_cycles: float
     sync_rt: float
-    stream_eff: float
+    dram_x: float
     source: str = ""  # which runs it was fitted on
 
-    def terms(self, l2_us: float, clock_ghz: float) -> dict[str, float]:
-        """The terms in µs for a target's L2 latency and clock (LatencyParams fields)."""
+    def terms(self, l2_us: float, clock_ghz: float, dram_us: float) -> dict[str, float]:
+        """The terms in µs for a target's L2 latency, clock and DRAM latency (LatencyParams fields)."""
         return {"launch_us": self.launch_us, "task_us": self.task_cycles / (clock_ghz * 1e3),
-                "sync_us": self.sync_rt * l2_us, "stream_eff": self.stream_eff}
+                "sync_us": self.sync_rt * l2_us, "dram_us": self.dram_x * dram_us}
 
 
 def load(path: Path = DATA) -> dict[str, Any]:
@@ -49,5 +51,5 @@ def calibration() -> Calibration | None:
     if not fit:
         return None
     t = fit["terms"]
-    return Calibration(float(t["launch_us"]), float(t["task_cycles"]), float(t["sync_rt"]), float(t["stream_eff"]),
+    return Calibration(float(t["launch_us"]), float(t["task_cycles"]), float(t["sync_rt"]), float(t["dram_x"]),
                        str(fit.get("fitted_on", "")))

@@ -111,12 +111,10 @@ class SimParams:
     instr: float  # µs per warp instruction per warp of a program (warps / IPC / clock)
     claim_overlapped: bool = True
     l2_cap: float = math.inf  # bytes of prefetched weights L2 holds for their tasks at once
-    # calibrated terms (kernelmodel/calibration.py, fitted on the measured device runs; neutral by
-    # default): a fixed cost every task pays before it signals (the claim's broadcast, the row and
-    # descriptor words, dispatch, the signal's own issue: what the SASS path prices too little), and
-    # the share of its Little's-law rate a weight or KV stream reaches
+    # calibrated (kernelmodel/calibration.py, fitted on the measured device runs; 0 by default): a
+    # fixed cost every task pays before it signals (the claim's broadcast, the row and descriptor
+    # words, dispatch, the signal's own issue: what the SASS path prices too little)
     task: float = 0.0
-    stream_eff: float = 1.0
 
 
 @dataclass
@@ -201,7 +199,7 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         heapq.heappush(ev, (t, seq, kind, k))
 
     def demand(s: TaskShape, lat: float) -> float:
-        return max(1e-9, p.stream_eff * min(s.in_flight / lat if s.in_flight > 0 else p.sm_bw, p.sm_bw))
+        return max(1e-9, min(s.in_flight / lat if s.in_flight > 0 else p.sm_bw, p.sm_bw))
 
     next_index = 0
     prog_next: dict[int, tuple[int, float, int]] = {}  # program -> (claimed task, usable at, claimed at task)

@@ -56,7 +56,6 @@ class LatencyParams:
     l2_mb: float
     # the calibrated terms (calibration.py): neutral unless params_for applied the fit
     task_us: float = 0.0  # a fixed cost every task pays before its signal
-    stream_eff: float = 1.0  # the share of its Little's-law rate a stream reaches
     calibrated: bool = False
 
 
@@ -81,8 +80,9 @@ _REFERENCE_GBS = {"sm_90": 4800.0, "sm_8x": 600.0}
 
 def params_for(target: str, case: str, calibrated: bool = True) -> LatencyParams:
     """The `case` column of `target`'s ranges (SM count from zlc.targets), with the calibrated
-    terms of calibration.json applied through the case's L2 latency and clock (`calibrated`, where
-    a fit exists): the launch, the per-task cost, signal -> poll and the stream efficiency."""
+    terms of calibration.json applied through the case's L2 latency, clock and DRAM latency
+    (`calibrated`, where a fit exists): the launch, the per-task cost, signal -> poll and the DRAM
+    latency under load."""
     t = get_target(target)
     if not t.is_gpu:
         raise KernelStatsError(f"target '{target}' is not a GPU")
@@ -92,7 +92,7 @@ def params_for(target: str, case: str, calibrated: bool = True) -> LatencyParams
     r["hbm_gbs"] *= (t.bandwidth_gbs or _REFERENCE_GBS[fam]) / _REFERENCE_GBS[fam]
     cal = calibration() if calibrated else None
     if cal is not None:
-        r.update(cal.terms(r["l2_us"], r["clock_ghz"]))
+        r.update(cal.terms(r["l2_us"], r["clock_ghz"], r["dram_us"]))
     return LatencyParams(sms=t.sms, l2_mb=float(t.l2_mb or 6), calibrated=cal is not None, **r)
 
 
@@ -100,8 +100,7 @@ def sim_params(lp: LatencyParams, grid: int, warps: int, claim_overlapped: bool)
     return SimParams(grid=grid, l2=lp.l2_us, dram=lp.dram_us, atomic=lp.atomic_us, fence=lp.fence_us,
                      inval=lp.inval_us, barrier=lp.barrier_us, sig=lp.sync_us, launch=lp.launch_us,
                      sm_bw=lp.sm_gbs * 1e3, hbm_bw=lp.hbm_gbs * 1e3, instr=warps / lp.ipc / (lp.clock_ghz * 1e3),
-                     claim_overlapped=claim_overlapped, l2_cap=lp.l2_mb * 1e6 / 2, task=lp.task_us,
-                     stream_eff=lp.stream_eff)
+                     claim_overlapped=claim_overlapped, l2_cap=lp.l2_mb * 1e6 / 2, task=lp.task_us)
 
 
 @dataclass
