@@ -383,6 +383,27 @@ def role_map(model: Llama, placement: list[dict[str, Any]], W: torch.Tensor,
     return roles, extras
 
 
+def calibrated_prediction(bundle: Path, target: str, context: int) -> dict[str, Any] | None:
+    """The calibrated latency model's decode step for this bundle (zlc.kernelmodel, on the CPU at
+    --prepare: the device has no zlc), printed beside the measurement; None for a CPU-only bundle."""
+    from zlc.bundle import read_manifest
+    from zlc.kernelmodel.calibration import calibration
+    from zlc.kernelmodel.latency import predict
+    from zlc.kernelmodel.sass_map import KernelCode
+    from zlc.kernelmodel.task_tables import table_facts
+    from zlc.kernelmodel.triton_source import KernelSource
+
+    man = read_manifest(bundle)
+    if "cubin" not in man["targets"].get(target, {}):
+        return None
+    src = KernelSource((bundle / man["kernel"]["source"]).read_text(), man["kernel"]["entry"])
+    tf = table_facts(bundle, man["targets"][target]["tiling"], src, man, context)
+    p = predict(KernelCode(bundle, target, man, src, kernel="decode"), tf, man, context)
+    cal = calibration()
+    return {"decode_us": p.us, "context": context, "calibrated": cal is not None,
+            "calibration": None if cal is None else vars(cal)}
+
+
 def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
     import shutil
     import tempfile
@@ -440,9 +461,11 @@ def prepare(names: list[str], out: Path, max_seq: int, target: str) -> None:
                 shutil.copy2(full / rel, slim / rel)
         if extras:
             save_file({k: v.contiguous() for k, v in extras.items()}, str(slim / "extra.safetensors"))
+            predicted = calibrated_prediction(full, target, int(PROMPT_LEN + WARM_STEPS + DECODE_STEPS / 2))
         info = {"config": asdict(cfg), "seed": SEED, "target": target, "roles": roles,
                 "extras": sorted(extras), "verification": man["verification"],
-                "roofline": man["targets"][target]["roofline"], "compile_seconds": man["compile_seconds"]}
+                "roofline": man["targets"][target]["roofline"], "compile_seconds": man["compile_seconds"],
+                "predicted": predicted}
         (slim / "bench_model.json").write_text(json.dumps(info, indent=1) + "\n")
         size = sum(p.stat().st_size for p in slim.rglob("*") if p.is_file())
         index["models"].append({"name": name, "dir": slim.name, "bytes": size})
@@ -661,8 +684,13 @@ def trace_step(m: Loaded, prompt: list[int]) -> dict[str, Any]:
     _, ptrace = be.trace_launch(MODE_PREFILL, prompt[:be.chunk], 0)
     pre = tr.analyze(tr.table_tasks(be.tasks, MODE_PREFILL), ptrace, labels.get(MODE_PREFILL))
     m.sess.reset()
-    return {"token_equal": got == want, "decode_report": tr.format_report(dec),
-            "prefill_report": tr.format_report(pre, path_rows=8),
+    from zlc.runtime.trace_terms import format_terms
+
+    return {"token_equal": got == want,
+            # the launch's report, then each task's time by term (claim, descriptor, wait, body, signal)
+            "decode_report": tr.format_report(dec) + "\n\n" + format_terms(table, trace),
+            "prefill_report": tr.format_report(pre, path_rows=8) + "\n\n"
+            + format_terms(tr.table_tasks(be.tasks, MODE_PREFILL), ptrace),
             "decode_span_us": dec.span / 1e3, "prefill_span_us": pre.span / 1e3,
             "decode_ops": {k: vars(v) for k, v in dec.ops.items()},
             "decode_idle_us_median": median_or_zero([x.idle for x in dec.sms]) / 1e3,
@@ -925,19 +953,24 @@ def write_report(out: Path, res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {c['steps']} | {'yes' if c['tokens_equal'] else 'NO'} | {diff} | "
                      f"{c['max_abs']:.3g} | {c['max_abs_ref']:.3g} | {c['kernel_argmax_matches_its_logits']} |")
     lines += ["", "## Latency", "",
-              "| model | engine | TTFT ms (median) | decode µs median | p99 | mean | HBM floor µs | median / floor |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | engine | TTFT ms (median) | decode µs median | p99 | mean | HBM floor µs | median / floor "
+              "| predicted µs (calibrated model, central) | measured / predicted |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in res["models"].items():
         floor = m.get("floor_us")
+        pred = ((m.get("predicted") or {}).get("decode_us") or {}).get("central")
         for eng, e in m.get("engines", {}).items():
             if "skipped" in e:
-                lines.append(f"| {name} | {eng} | {e['skipped']} | | | | | |")
+                lines.append(f"| {name} | {eng} | {e['skipped']} | | | | | | | |")
                 continue
             med = e.get("decode_us_median") or e.get("per_token_us")
             ratio = f"{med / floor:.2f}" if med and floor else "-"
+            # the model prices zlc's decode step (launch and sync included), not the peers
+            p = pred if eng.startswith("zlc") else None
             lines.append(f"| {name} | {eng} | {_fmt(e.get('ttft_ms'), '.3f')} | {_fmt(med, '.1f')} | "
                          f"{_fmt(e.get('decode_us_p99'), '.1f')} | {_fmt(e.get('decode_us_mean', med), '.1f')} | "
-                         f"{_fmt(floor, '.1f')} | {ratio} |")
+                         f"{_fmt(floor, '.1f')} | {ratio} | {_fmt(p, '.1f')} | "
+                         f"{f'{med / p:.2f}' if med and p else '-'} |")
     sweeps = {n: m["batch_sweep"] for n, m in res["models"].items() if m.get("batch_sweep")}
     if sweeps:
         lines += ["", "## Batch sweep (TritonBatch: B sequences' decode rows in one launch, paged KV cache)", "",
@@ -1058,6 +1091,7 @@ def run_device(inputs: Path, out: Path, budget_s: float, models: list[str] | Non
             ctx = PROMPT_LEN + WARM_STEPS + DECODE_STEPS / 2
             r["step_bytes"] = rf["weight_bytes"] + rf["kv_bytes_per_token"] * ctx
             r["floor_us"] = r["step_bytes"] / bw * 1e6
+            r["predicted"] = m.info.get("predicted")  # the calibrated model's, made at --prepare
             r["loaded"] = m.sess.backend.loaded
             print(f"{name}: loaded in {m.seconds:.1f} s; cubins {r['loaded']}; {r['correctness']}", flush=True)
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other models still run

@@ -16,6 +16,12 @@
 # then the batch sweep (batched decode steps of 1, 4, 16 and 64 sequences in one launch of the
 # prefill kernel over a paged KV cache: every row checked against the same sequence run alone,
 # step latency and aggregate tok/s; device_bench.md's "Batch sweep" table).
+# Beside each zlc decode measurement the report prints the calibrated latency model's prediction
+# for the same bundle and context (made on the CPU at --prepare: bench_model.json's "predicted";
+# docs/kernel-model.md, "Calibration") and measured / predicted; the trace report splits each task's
+# time into claim, descriptor, wait, body and signal per op kind and per dependency level
+# (runtime/trace_terms.py). TTFT and the batch sweep have no calibrated prediction (the model does
+# not price the multi-row bodies' MMA loops yet).
 # What it measures and why the weights are generated on the device: bench/device_bench.py's docstring.
 #
 # Time budget: the whole script ends within TOTAL_S = 450 s (7.5 min; the issue allows 8) whatever

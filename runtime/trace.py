@@ -9,6 +9,8 @@ after the counters, from `trace_offset(n_events)` on (the executor allocates CNT
                              cycles (%clock64 from start to end), 1
     record 1 + n_max + p     program p: sm, p, entry lo/hi, exit lo/hi, cycles, tasks it ran
 
+    stamps (after them)      task t: STAMP_WORDS int32 at 4 t: claim, descriptor, waited, body end
+
 (`n_max`: the longer of the two tables). Start is taken when the program begins the task (before
 its waits and weight prefetch), end after its signal; times are `%globaltimer` nanoseconds, one
 clock for every SM. The interpreter has neither `%globaltimer` nor `%smid`: there every reading
@@ -113,10 +115,24 @@ def trace_offset(n_events: int) -> int:
     return (used + fmt.TRACE_WORDS - 1) // fmt.TRACE_WORDS * fmt.TRACE_WORDS
 
 
+# Per task after the records, each a time after the task's start (-1: not stamped): its claim's
+# result arrived (claim), its row's words arrived (descriptor), its waits passed (waited: stamped where
+# the dispatch waits for the body; the decode bodies that wait themselves, after requesting their
+# first weights, leave -1), its body's loads and stores issued (body end, before the signal).
+STAMP_WORDS = 4
+TERMS = ("claim", "descriptor", "wait", "body", "signal")
+
+
 def trace_words(tasks: np.ndarray, grid: int) -> int:
-    """Words of the trace region for the table `tasks` launched with `grid` programs."""
+    """Words of the trace region for the table `tasks` launched with `grid` programs: the records,
+    then the per-task stamps (rounded up to whole records)."""
     t = np.asarray(tasks).reshape(-1)
-    return fmt.TRACE_WORDS * (1 + max(int(t[0]), int(t[2])) + grid)
+    n_max = max(int(t[0]), int(t[2]))
+    return fmt.TRACE_WORDS * (1 + n_max + grid) + _stamp_words(n_max)
+
+
+def _stamp_words(n_max: int) -> int:
+    return (STAMP_WORDS * n_max + fmt.TRACE_WORDS - 1) // fmt.TRACE_WORDS * fmt.TRACE_WORDS
 
 
 @dataclass
@@ -136,6 +152,8 @@ class Trace:
     prog_exit: np.ndarray
     prog_cycles: np.ndarray
     prog_tasks: np.ndarray
+    # per task, STAMP_WORDS columns (claim, descriptor, waited, body end) after its start; -1: none
+    stamps: np.ndarray | None = None
 
 
 def _stamp(rec: np.ndarray, lo: int) -> np.ndarray:
@@ -150,13 +168,15 @@ def read_trace(region: np.ndarray, tasks: np.ndarray, mode: int, grid: int, *, u
     words = np.asarray(region, dtype=np.int32).reshape(-1)
     if words.size < need:
         raise ValueError(f"the trace region has {words.size} words; this launch needs {need}")
-    recs = words[:need].reshape(-1, fmt.TRACE_WORDS)
+    n_rec = fmt.TRACE_WORDS * (1 + n_max + grid)
+    recs = words[:n_rec].reshape(-1, fmt.TRACE_WORDS)
     task, prog = recs[1:1 + n], recs[1 + n_max:1 + n_max + grid]
+    stamps = words[n_rec:n_rec + STAMP_WORDS * n].reshape(n, STAMP_WORDS).astype(np.int64)
     return Trace(mode=mode, unit=unit, sm=task[:, 0].astype(np.int64), program=task[:, 1].astype(np.int64),
                  start=_stamp(task, 2), end=_stamp(task, 4), cycles=task[:, 6].astype(np.int64),
                  recorded=task[:, 7] == 1, prog_sm=prog[:, 0].astype(np.int64), prog_entry=_stamp(prog, 2),
                  prog_exit=_stamp(prog, 4), prog_cycles=prog[:, 6].astype(np.int64),
-                 prog_tasks=prog[:, 7].astype(np.int64))
+                 prog_tasks=prog[:, 7].astype(np.int64), stamps=stamps)
 
 
 # ---- analysis ---------------------------------------------------------------------------------------

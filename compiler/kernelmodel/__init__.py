@@ -14,8 +14,11 @@ In the order data flows through it (each module imports only those before it):
     static_facts.py   one kernel's static facts: registers, spills, occupancy, per op body its weight
                       loads and loops
     task_tables.py    the task tables' facts: dependency levels, waits, DRAM bytes per task
+    calibration.py    the calibrated terms (calibration.json: the measured figures, the fit) and how
+                      they carry to a target's clock and L2 latency
     event_sim.py      a discrete-event simulation of one decode step over the task table
     latency.py        the latency model: task shapes from paths and tables, the parameter ranges, the
                       prediction
+    calibrate.py      the fit of the calibrated terms on the measured runs (python -m ...calibrate)
     report.py         all of it per GPU target, with the target checks (JSON, rich tables, markdown)
 """

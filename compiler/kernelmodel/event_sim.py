@@ -111,6 +111,10 @@ class SimParams:
     instr: float  # µs per warp instruction per warp of a program (warps / IPC / clock)
     claim_overlapped: bool = True
     l2_cap: float = math.inf  # bytes of prefetched weights L2 holds for their tasks at once
+    # calibrated (kernelmodel/calibration.py, fitted on the measured device runs; 0 by default): a
+    # fixed cost every task pays before it signals (the claim's broadcast, the row and descriptor
+    # words, dispatch, the signal's own issue: what the SASS path prices too little)
+    task: float = 0.0
 
 
 @dataclass
@@ -348,7 +352,7 @@ def simulate(tasks: list[TaskShape], p: SimParams) -> SimResult:
         t.body, t.body_by = (end, by) if end >= chain_end[k] else (chain_end[k], "chain")
         after = min(s.post_rt, s.tail_rt) * p.l2 + min(s.post_instrs, s.instrs) * p.instr  # the signal first
         push(t.body + s.tail_rt * p.l2 + s.instrs * p.instr + s.fences * p.fence + s.invalidations * p.inval
-             + s.atomics * p.atomic + s.barriers * p.barrier - after, "finish", k)
+             + s.atomics * p.atomic + s.barriers * p.barrier + p.task - after, "finish", k)
 
     while ev or fluid.heap:
         te = ev[0][0] if ev else math.inf

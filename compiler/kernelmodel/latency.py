@@ -24,6 +24,7 @@ from zlc.bundle import MODE_DECODE, OP_LINEAR, OP_NAMES
 from zlc.codegen.descriptors import LinearDesc
 from zlc.targets import get_target
 
+from .calibration import calibration
 from .event_sim import SimParams, SimResult, TaskShape, simulate
 from .sass_map import KernelCode, KernelStatsError, SyncCounts
 from .task_path import PathFacts, nest, task_path
@@ -53,6 +54,9 @@ class LatencyParams:
     clock_ghz: float  # SM clock under load
     ipc: float  # warp instructions issued per cycle per SM (4 schedulers)
     l2_mb: float
+    # the calibrated terms (calibration.py): neutral unless params_for applied the fit
+    task_us: float = 0.0  # a fixed cost every task pays before its signal
+    calibrated: bool = False
 
 
 # Ranges per GPU family (low = fast end, high = slow end). Sources: measured copy bandwidth of
@@ -74,8 +78,11 @@ _RANGES: dict[str, dict[str, tuple[float, float, float]]] = {
 _REFERENCE_GBS = {"sm_90": 4800.0, "sm_8x": 600.0}
 
 
-def params_for(target: str, case: str) -> LatencyParams:
-    """The `case` column of `target`'s ranges (SM count from zlc.targets)."""
+def params_for(target: str, case: str, calibrated: bool = True) -> LatencyParams:
+    """The `case` column of `target`'s ranges (SM count from zlc.targets), with the calibrated
+    terms of calibration.json applied through the case's L2 latency, clock and DRAM latency
+    (`calibrated`, where a fit exists): the launch, the per-task cost, signal -> poll and the DRAM
+    latency under load."""
     t = get_target(target)
     if not t.is_gpu:
         raise KernelStatsError(f"target '{target}' is not a GPU")
@@ -83,14 +90,17 @@ def params_for(target: str, case: str) -> LatencyParams:
     k = CASES.index(case)
     r = {name: v[k] for name, v in _RANGES[fam].items()}
     r["hbm_gbs"] *= (t.bandwidth_gbs or _REFERENCE_GBS[fam]) / _REFERENCE_GBS[fam]
-    return LatencyParams(sms=t.sms, l2_mb=float(t.l2_mb or 6), **r)
+    cal = calibration() if calibrated else None
+    if cal is not None:
+        r.update(cal.terms(r["l2_us"], r["clock_ghz"], r["dram_us"]))
+    return LatencyParams(sms=t.sms, l2_mb=float(t.l2_mb or 6), calibrated=cal is not None, **r)
 
 
 def sim_params(lp: LatencyParams, grid: int, warps: int, claim_overlapped: bool) -> SimParams:
     return SimParams(grid=grid, l2=lp.l2_us, dram=lp.dram_us, atomic=lp.atomic_us, fence=lp.fence_us,
                      inval=lp.inval_us, barrier=lp.barrier_us, sig=lp.sync_us, launch=lp.launch_us,
                      sm_bw=lp.sm_gbs * 1e3, hbm_bw=lp.hbm_gbs * 1e3, instr=warps / lp.ipc / (lp.clock_ghz * 1e3),
-                     claim_overlapped=claim_overlapped, l2_cap=lp.l2_mb * 1e6 / 2)
+                     claim_overlapped=claim_overlapped, l2_cap=lp.l2_mb * 1e6 / 2, task=lp.task_us)
 
 
 @dataclass

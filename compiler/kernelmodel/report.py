@@ -14,6 +14,7 @@ from typing import Any
 
 from zlc.bundle import read_manifest
 
+from .calibration import calibration
 from .latency import LatencyParams, Prediction, params_for, predict
 from .sass_map import KernelStatsError, kernel_info
 from .static_facts import KernelFacts, cubin_facts
@@ -66,6 +67,9 @@ def bundle_report(bundle: Path, targets: list[str] | None = None, context: int |
                  "prediction": pred.as_dict()}
         entry["checks"] = checks(out, tf, dec, pre, pred)
         out["targets"][t] = entry
+    cal = calibration()  # which model priced the predictions (docs/kernel-model.md, "Calibration")
+    out["latency_model"] = ("calibrated: " + ", ".join(f"{k} {v:g}" for k, v in vars(cal).items() if k != "source")
+                            if cal is not None else "uncalibrated")
     out["tables"] = {k: v.as_dict() for k, v in tables.items()}
     for v in out["tables"].values():
         for m in v["modes"].values():
@@ -165,8 +169,9 @@ def min_level_us(lp: LatencyParams) -> float:
     simulation's own terms: the producer's release fence, the signal reaching a poller that is
     already spinning (the wait resolves t_sig after the producer's finish), and the one L2 round
     trip that brings the first activation after the wait (the weights may all be in flight before
-    it). A step with L levels takes at least L times this, plus the launch."""
-    return lp.fence_us + lp.sync_us + lp.l2_us
+    it), and the calibrated fixed cost of its task. A step with L levels takes at least L times
+    this, plus the launch."""
+    return lp.fence_us + lp.sync_us + lp.l2_us + lp.task_us
 
 
 def _floor_verdict(pred: Prediction, lp: LatencyParams, step_levels: int) -> tuple[str, bool, str]:

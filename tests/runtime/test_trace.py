@@ -18,6 +18,7 @@ import pytest
 import zlc
 from zlc import bundle as fmt
 from zlc.runtime import trace as tr
+from zlc.runtime.trace_terms import format_terms, levels, split, summarize
 
 # ---- a hand-made table and trace -------------------------------------------------------------------
 #
@@ -72,6 +73,10 @@ def encode(tasks: np.ndarray, times: list[tuple[int, int, int]], programs: list[
     return region.reshape(-1)
 
 
+def tasks_ops(tasks: np.ndarray, mode: int) -> np.ndarray:
+    return np.array([t.op for t in tr.table_tasks(tasks, mode)])
+
+
 @pytest.fixture
 def synthetic() -> tuple[list[tr.TableTask], tr.Trace, np.ndarray]:
     tasks = make_tasks(ROWS)
@@ -86,7 +91,32 @@ def test_table_and_producers() -> None:
     assert tr.producers(table) == {0: [0], 1: [1, 2], 2: [3], 3: [1, 2, 3], 4: [4]}
     assert tr.signals_expected(table) == {0: 1, 1: 2, 2: 1, 3: 2, 4: 1}
     assert tr.trace_offset(5) == 24 and tr.trace_offset(0) == 24 and tr.trace_offset(16) == 32
-    assert tr.trace_words(make_tasks(ROWS), 2) == 8 * (1 + 6 + 2)
+    # the records, then 4 stamps a task rounded up to whole records
+    assert tr.trace_words(make_tasks(ROWS), 2) == 8 * (1 + 6 + 2) + 24
+
+
+def test_terms_split_each_task_between_its_stamps() -> None:
+    """claim, descriptor, wait, body and signal cover start -> end; an unstamped wait ends when the
+    last producer had signalled (not before the row's words, not after the body)."""
+    tasks = make_tasks(ROWS)
+    region = encode(tasks, TIMES, PROGRAMS)
+    n_rec = fmt.TRACE_WORDS * (1 + 6 + 2)
+    st = region[n_rec:n_rec + 4 * 6].reshape(6, 4)
+    st[:] = [[5, 12, 20, 60]] * 6
+    st[4] = [5, 12, -1, 300]  # the attention task waits inside its body: for event 3 (tasks 1, 2, 3)
+    trace = tr.read_trace(region, tasks, fmt.MODE_DECODE, 2)
+    table = tr.table_tasks(tasks, fmt.MODE_DECODE)
+    terms, stamped = split(table, trace)
+    assert stamped.tolist() == [True, True, True, True, False, True]
+    assert np.allclose(terms.sum(axis=1), [e - s for _, s, e in TIMES]) and (terms >= 0).all()
+    assert terms[0].tolist() == [5, 7, 8, 40, 40]  # embed: 100 -> 200
+    # attention starts at 360; its producers end at 400 (task 1), 350, 500 (task 3): waited 500 - 360
+    assert terms[4].tolist() == [5, 7, 140 - 12, 300 - 140, 340 - 300]
+    assert levels(table) == [1, 2, 2, 2, 3, 4]
+    kinds, lvls = summarize(table, trace)
+    assert [k.key for k in kinds] == ["embed", "linear", "attention", "argmax"] and kinds[1].tasks == 3
+    assert [g.key for g in lvls] == [f"level {i}" for i in range(1, 5)]
+    assert "claim" in format_terms(table, trace)
 
 
 def test_read_trace(synthetic: tuple[list[tr.TableTask], tr.Trace, np.ndarray]) -> None:
@@ -96,7 +126,7 @@ def test_read_trace(synthetic: tuple[list[tr.TableTask], tr.Trace, np.ndarray]) 
     assert trace.sm.tolist() == [0, 1, 0, 1, 0, 1] and trace.recorded.all()
     assert trace.cycles.tolist() == [2 * (e - s) for _, s, e in TIMES]
     assert trace.prog_entry.tolist() == [base, base + 10] and trace.prog_tasks.tolist() == [3, 3]
-    with pytest.raises(ValueError, match="needs 72"):
+    with pytest.raises(ValueError, match="needs 96"):
         tr.read_trace(np.zeros(10, dtype=np.int32), make_tasks(ROWS), fmt.MODE_DECODE, 2)
 
 
@@ -257,9 +287,25 @@ def test_interpreted_trace_of_the_tiny_model(interpreted: tuple[dict[str, Any], 
         # the interpreter runs programs one after another: program 0 takes every task, and the
         # logical clock ticks once per reading (its entry, then each task's start and end)
         assert trace.program.tolist() == [0] * n and trace.sm.tolist() == [0] * n
-        assert trace.start.tolist() == list(range(1, 2 * n, 2)) and trace.end.tolist() == list(range(2, 2 * n + 1, 2))
+        # its start, the claim's and the row's stamps, the wait's where the dispatch waits, the
+        # body's end, its end: 5 or 6 readings a task
+        st = trace.stamps
+        assert st is not None
+        waited = st[:, 2] >= 0
+        assert st[:, 0].tolist() == [1] * n and st[:, 1].tolist() == [2] * n
+        assert (st[waited, 2] == 3).all() and (st[~waited, 2] == -1).all()
+        assert (st[:, 3] == 3 + waited).all() and ((trace.end - trace.start) == 4 + waited).all()
+        assert trace.start[0] == 1 and (trace.start[1:] == trace.end[:-1] + 1).all()
+        if mode == fmt.MODE_PREFILL:  # Linear bodies wait themselves (after their first weights); the rest at the dispatch
+            assert (waited == (tasks_ops(tasks, mode) != fmt.OP_LINEAR)).all()
         assert trace.prog_tasks.tolist() == [n] + [0] * (grid - 1)
-        assert trace.prog_entry.tolist()[0] == 0 and trace.prog_exit.tolist()[0] == 2 * n + 1
+        assert trace.prog_entry.tolist()[0] == 0 and trace.prog_exit.tolist()[0] == trace.end[-1] + 1
+        table = tr.table_tasks(tasks, mode)
+        terms, stamped = split(table, trace)
+        assert (stamped == waited).all() and (terms >= 0).all()
+        assert np.allclose(terms.sum(axis=1), trace.end - trace.start)
+        assert (terms[:, 0] == 1).all() and (terms[:, 1] == 1).all() and (terms[:, 4] == 1).all()
+        assert "per dependency level" in format_terms(table, trace)
         labels, _ = tr.readable_labels(readable, mode)
         a = tr.analyze(tr.table_tasks(tasks, mode), trace, labels)
         kinds = {t["op"] for t in readable["tables"]["decode" if mode else "prefill"]}
