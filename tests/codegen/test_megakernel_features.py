@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 
 from zlc import bundle as fmt
+from zlc.abi import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen.emit import Features, render
 from zlc.ir.quant import FORMATS
+from zlc.targets import TRITON_WEIGHT_FORMATS
 
 # Code that exists only for one feature: a model without it must compile none of it.
 MARKERS: dict[str, list[str]] = {
@@ -155,7 +156,7 @@ def test_features_are_the_union_over_programs_modes_and_activations() -> None:
 
 
 def test_every_combination_renders_valid_python() -> None:
-    packed = [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.triton]
+    packed = [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.name in TRITON_WEIGHT_FORMATS]
     every = _program(*PLAIN, *ONE.values(), (LinearDesc, dict(k=64, act=2)), *packed)
     f = Features.of([every])
     assert all(getattr(f, n) for n in FLAGS) and f.activations == (1, 2)
