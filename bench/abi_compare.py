@@ -3,6 +3,8 @@
     python bench/abi_compare.py rows OUT_DIR [NAMES]  # descriptor and task rows of zoo families x tilings
                                                       # (NAMES: a comma list of models, default all)
     python bench/abi_compare.py same-rows A_DIR B_DIR  # byte-identical? (exit 1 with the first difference)
+    python bench/abi_compare.py native OUT.zlc [MODEL] # only the native libraries, as `zlc compile MODEL --target cpu
+                                                      # --target a10 --target h100` builds them (default: SmolLM2)
     python bench/abi_compare.py same-code A.zlc B.zlc  # every cubin's SASS and each native library's
                                                        # disassembly equal? (exit 1 with the first difference)
 
@@ -92,6 +94,23 @@ def same_rows(a: Path, b: Path) -> int:
     return 0
 
 
+def build_native_only(out: Path, model: str | None) -> int:
+    """out/native/<level>.so of `model` as a GPU + CPU compile schedules it (its quantization
+    decisions depend on the GPU targets), without the hour of cubins."""
+    import zlc
+    from zlc.codegen.native import build_native
+    from zlc.codegen.schedule import schedule, tiling_for
+    from zlc.targets import get_target
+
+    src = model or str(_smollm2())
+    res = zlc.compile(src, targets=["cpu", "a10", "h100"], verify=False, stop_after="schedule")
+    b = res.build
+    prog = schedule(b.decode, tiling_for(get_target("cpu"), b.max_seq, native=True), b.max_seq, model=b.name)
+    built = build_native(prog, out / "native", weight_dtype=b.wdtype, version=zlc.__version__)
+    print(f"native libraries: {sorted(built.manifest().get('levels', {}))} in {out / 'native'}")
+    return 0
+
+
 def _tool(name: str) -> str:
     from zlc.codegen.toolchain import find_tool
 
@@ -102,10 +121,12 @@ _ADDR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
 def sass(cubin: Path) -> list[str]:
-    """The cubin's SASS, instruction lines only, without the /*addr*/ columns."""
+    """The cubin's SASS: every instruction with both of its encoding words (the second holds the
+    scheduling controls), without the /*addr*/ column and the file's name."""
     text = subprocess.run([_tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
-    return [_ADDR.sub("", ln).strip() for ln in text.splitlines() if "/*" in ln and ";" in ln]
+    lines = (_ADDR.sub("", ln).strip() for ln in text.splitlines() if "identifier" not in ln)
+    return [ln for ln in lines if ln]
 
 
 def disasm(lib: Path) -> list[str]:
@@ -152,6 +173,8 @@ def main(argv: list[str]) -> int:
         return dump_rows(Path(argv[1]), set(argv[2].split(",")) if len(argv) == 3 else None)
     if len(argv) == 3 and argv[0] == "same-rows":
         return same_rows(Path(argv[1]), Path(argv[2]))
+    if len(argv) in (2, 3) and argv[0] == "native":
+        return build_native_only(Path(argv[1]), argv[2] if len(argv) == 3 else None)
     if len(argv) == 3 and argv[0] == "same-code":
         return same_code(Path(argv[1]), Path(argv[2]))
     print(__doc__)
