@@ -164,7 +164,8 @@ def same_code(a: Path, b: Path) -> int:
                   f"{lx[first] if first < len(lx) else '-'} | {ly[first] if first < len(ly) else '-'}")
             bad = 1
         else:
-            print(f"{x.parent.name}/{x.name}: {len(lx)} instructions, equal")
+            what = "lines of SASS (instructions, both encoding words)" if x.suffix == ".cubin" else "instructions"
+            print(f"{x.parent.name}/{x.name}: {len(lx)} {what}, equal")
     return bad
 
 
