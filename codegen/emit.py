@@ -20,37 +20,43 @@ from typing import Any
 
 import jinja2
 
-from zlc import bundle as fmt
-from zlc.ir.quant import FORMATS
+from zlc import abi
+from zlc.abi import FORMATS, AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc
+from zlc.targets import TRITON_WEIGHT_FORMATS
 
 from . import gemv_source
 from . import program as pg
-from .descriptors import AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc, constants
 from .gemv_plan import DOWN_MAX_ROWS, MAX_CHUNK, PREFETCH_BYTES, gemv_bodies
 from .program import Program
 
 ENTRY = "zlc_megakernel"
+
+
+def kernel_constants() -> dict[str, int | str]:
+    """Both templates' `c`: the ABI's constants (zlc.abi: table words, codes, format codes and the
+    C block-size initializer)."""
+    return {**abi.constants(), **abi.format_constants()}
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # How the loop calls each op body (the names are the kernel's locals).
 _CALLS = {
-    fmt.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, bat, BLOCK_T, BLOCK_E)",
-    fmt.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, Q, P, A, row, d, a, b, c, T, all_logits, bat, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
+    abi.OP_EMBED: "op_embed(DI, DF, CTRL, W, P, A, d, T, past, bat, BLOCK_T, BLOCK_E)",
+    abi.OP_LINEAR: "op_linear(DI, DF, CNT, CTRL, W, Q, P, A, row, d, a, b, c, T, all_logits, bat, BLOCK_N, BLOCK_K, BLOCK_KD,\n"
                    "                      BLOCK_T, DOT_PRECISION, KV_SPLITS, DEBUG, STEP)",
-    fmt.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, bat, BLOCK_T, HEAD_P2)",
-    fmt.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, bat, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
-    fmt.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
-    fmt.OP_ARGMAX: "op_argmax(DI, CTRL, A, d)",
-    fmt.OP_ROW_NORM: "op_row_norm(DI, DF, P, A, d, a, b, T, BLOCK_T, BLOCK_K)",
+    abi.OP_CACHE_APPEND: "op_cache_append(DI, DF, P, A, d, a, T, past, bat, BLOCK_T, HEAD_P2)",
+    abi.OP_ATTENTION: "op_attention(DI, DF, P, A, d, a, b, c, T, past, bat, BLOCK_T, BLOCK_KV, HEAD_P2, KV_SPLITS,\n                                 DOT_PRECISION)",
+    abi.OP_ATTN_COMBINE: "op_attn_combine(DI, A, d, a, HEAD_P2, KV_SPLITS)",
+    abi.OP_ARGMAX: "op_argmax(DI, CTRL, A, d)",
+    abi.OP_ROW_NORM: "op_row_norm(DI, DF, P, A, d, a, b, T, BLOCK_T, BLOCK_K)",
 }
 
 # The decode kernel's own bodies (STEP == MODE_DECODE: one query row; docs/megakernel.md, "Two kernels").
 _DECODE_CALLS = {
-    fmt.OP_ATTENTION: "op_attention_row(DI, DF, CNT, CTRL, P, A, row, d, a, c, past, BLOCK_KV, HEAD_P2, KV_SPLITS,\n"
+    abi.OP_ATTENTION: "op_attention_row(DI, DF, CNT, CTRL, P, A, row, d, a, c, past, BLOCK_KV, HEAD_P2, KV_SPLITS,\n"
                       "                                 DEBUG)",
 }
 
-_DECODE_WAITS_ITSELF = frozenset({fmt.OP_ATTENTION})
+_DECODE_WAITS_ITSELF = frozenset({abi.OP_ATTENTION})
 
 # A debug build's waits give up after this long and raise the error flag instead of hanging.
 DEBUG_WAIT_TIMEOUT_NS = 2_000_000_000
@@ -100,16 +106,16 @@ class Features:
             for tasks in p.tables.values():
                 for t in tasks:
                     di, df = di_all[t.desc], df_all[t.desc]
-                    if t.op == fmt.OP_ATTENTION:
+                    if t.op == abi.OP_ATTENTION:
                         on("window", di[AttentionDesc.window] > 0)
                         on("attn_softcap", df[AttentionDesc.softcap] > 0)
                         on("alibi", df[AttentionDesc.alibi] != 0)
                         on("qk_norm", di[AttentionDesc.q_norm_w] >= 0 or di[AttentionDesc.k_norm_w] >= 0)
                         on("qk_norm_whole", di[AttentionDesc.qk_norm_whole] != 0)
-                    elif t.op == fmt.OP_CACHE_APPEND:
+                    elif t.op == abi.OP_CACHE_APPEND:
                         on("qk_norm", di[CacheAppendDesc.k_norm_w] >= 0)
                         on("qk_norm_whole", di[CacheAppendDesc.qk_norm_whole] != 0)
-                    elif t.op == fmt.OP_LINEAR:
+                    elif t.op == abi.OP_LINEAR:
                         on("moe_route", di[LinearDesc.route] != 0)
                         on("mlp_split_k", di[LinearDesc.down_rows] > 0 or di[LinearDesc.copy] != 0)
                         on("lm_softcap", df[LinearDesc.softcap] > 0)
@@ -117,7 +123,7 @@ class Features:
                         acts.add(int(di[LinearDesc.act]))
                         if di[LinearDesc.route] == 0 and di[LinearDesc.w_format]:
                             packed.add(int(di[LinearDesc.w_format]))
-                    elif t.op == fmt.OP_EMBED:
+                    elif t.op == abi.OP_EMBED:
                         on("embed_norm", di[EmbedDesc.norm] != 0)
                         on("embed_pos", di[EmbedDesc.pos_table] >= 0)
         return cls(**f, activations=tuple(sorted(acts - {0})), packed=tuple(sorted(packed)))
@@ -130,7 +136,8 @@ class Features:
                     for name, code in pg.ACTIVATIONS.items() if code})
         # HAS_PACKED: some Linear streams packed blocks from Q; HAS_<FORMAT>: that format's bodies
         out["HAS_PACKED"] = bool(self.packed)
-        out.update({f"HAS_{q.name.upper()}": q.code in self.packed for q in FORMATS.values() if q.triton})
+        out.update({f"HAS_{q.name.upper()}": q.code in self.packed for q in FORMATS.values()
+                    if q.name in TRITON_WEIGHT_FORMATS})
         return out
 
     def used(self) -> list[str]:
@@ -162,12 +169,12 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
     gemv = gemv_bodies(progs, weight_dtype, gemv_block_n or progs[-1].tiling.block_n, max_chunk, prefetch_bytes,
                        max_down_rows)
     f = Features.of(progs)
-    # the table format's numbers (zlc.bundle) and the descriptor codes (program.py), as constexprs
-    consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
+    # the ABI's numbers (zlc.abi: table words, codes, formats), as constexprs
+    consts = kernel_constants()
     return env.get_template("megakernel.py.jinja").render(
-        version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts, desc=constants(),
+        version=version, model=progs[0].model, weight_dtype=weight_dtype, entry=ENTRY, c=consts, desc=abi.desc_constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS,
-        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == fmt.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""),
+        op_kinds=[_Kind(k, _CALLS[k], waits_itself=k == abi.OP_LINEAR, decode_call=_DECODE_CALLS.get(k, ""),
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv_sources=[gemv_source.body(g) for g in gemv],

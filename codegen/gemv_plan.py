@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zlc import bundle as fmt
+from zlc.abi import LinearDesc
 
 from . import program as pg
-from .descriptors import LinearDesc
 from .program import Program
 
 # Weight bytes one program keeps in flight in a matrix-vector product. Little's law on an H200:

@@ -34,15 +34,14 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from zlc import bundle as fmt
-from zlc.bundle import CPU_FAST_FORMATS
+from zlc import abi
+from zlc.abi import AttentionDesc, EmbedDesc, LinearDesc
+from zlc.bundle import CPU_FAST_FORMATS, check_numerics
 from zlc.errors import ZlcError
 from zlc.ir.quant import FORMATS
 from zlc.targets import IsaLevel, isa_levels_for
 
-from . import program as pg
-from .descriptors import AttentionDesc, EmbedDesc, LinearDesc, constants
-from .emit import DEBUG_WAIT_TIMEOUT_NS
+from .emit import DEBUG_WAIT_TIMEOUT_NS, kernel_constants
 from .kcache import KernelCache, content_key
 from .program import Program
 
@@ -99,20 +98,20 @@ def render(p: Program, *, weight_dtype: str, version: str, numerics: str = "exac
                                "a GPU tiling's): schedule it with the native tiling")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
-    consts = {k: getattr(m, k) for m in (fmt, pg) for k in dir(m) if k.isupper() and isinstance(getattr(m, k), int)}
+    consts = kernel_constants()
     used = {(t.op, t.desc) for tasks in p.tables.values() for t in tasks}
-    ks = sorted({int(p.desc_int[d, LinearDesc.k]) for op, d in used if op == fmt.OP_LINEAR})
+    ks = sorted({int(p.desc_int[d, LinearDesc.k]) for op, d in used if op == abi.OP_LINEAR})
     dims = sorted({int(p.desc_int[d, AttentionDesc.head_dim]) for op, d in used  # cache_append's word too
-                   if op in (fmt.OP_ATTENTION, fmt.OP_CACHE_APPEND)})
+                   if op in (abi.OP_ATTENTION, abi.OP_CACHE_APPEND)})
     # the packed formats (ir/quant.py codes) the Linears stream; each gets its own loop body
     formats = sorted(({int(p.desc_int[d, LinearDesc.w_format]) for op, d in used
-                       if op == fmt.OP_LINEAR and not p.desc_int[d, LinearDesc.route]}
+                       if op == abi.OP_LINEAR and not p.desc_int[d, LinearDesc.route]}
                       # a packed embedding table needs the dequantization (W_PACKED) too
-                      | {int(p.desc_int[d, EmbedDesc.table_format]) for op, d in used if op == fmt.OP_EMBED}) - {0})
-    fast = [FORMATS[n].code for n in CPU_FAST_FORMATS] if fmt.check_numerics(numerics) == "fast" else []
+                      | {int(p.desc_int[d, EmbedDesc.table_format]) for op, d in used if op == abi.OP_EMBED}) - {0})
+    fast = [FORMATS[n].code for n in CPU_FAST_FORMATS] if check_numerics(numerics) == "fast" else []
     t = p.tiling
     return env.get_template("megakernel.c.jinja").render(
-        version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=constants(),
+        version=version, model=p.model.replace("*/", "* /"), weight_dtype=weight_dtype, c=consts, desc=abi.desc_constants(),
         wait_timeout_ns=DEBUG_WAIT_TIMEOUT_NS, abi=ABI, error_bad_op=ERROR_BAD_OP, chunk=t.chunk,
         block_t=t.block_t, kv_splits=t.kv_splits, max_seq=p.max_seq, max_k=max(ks or [1]),
         head_p2=max(16, 1 << (p.head_dim - 1).bit_length()), linear_ks=ks, head_dims=dims, w_formats=formats,

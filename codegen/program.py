@@ -20,33 +20,35 @@ from typing import Any
 
 import numpy as np
 
-from zlc.bundle import (
+# the layouts and codes the tables carry are the ABI's (zlc.abi); the codes are re-exported for codegen
+from zlc.abi import (  # noqa: F401 (NORM_*, ROPE_*, ACTIVATIONS, PF_*: re-exported)
+    ACTIVATIONS,
     CNT_EVENTS,
     CTRL_TOKENS,
-    HEADER_WORDS,
-    MAX_WAITS,
+    NORM_COMBINE,
+    NORM_LAYER,
+    NORM_NONE,
+    NORM_RMS,
     OP_ATTENTION,
     OP_CACHE_APPEND,
     OP_LINEAR,
     OP_NAMES,
-    TASK_WORDS,
+    PF_FIRST,
+    PF_FIRST2,
+    PF_NONE,
+    PF_UNIT,
+    PF_UNITS,
+    PF_WORDS,
+    ROPE_HALF,
+    ROPE_INTERLEAVED,
+    ROPE_NONE,
+    AttentionDesc,
+    CacheAppendDesc,
+    LinearDesc,
+    table_header,
+    task_row,
 )
 
-from .descriptors import AttentionDesc, CacheAppendDesc, LinearDesc
-
-# ---- norm and activation codes (descriptor fields) -----------------------------------------
-NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
-NORM_COMBINE = 3  # not a norm: the input row is merged from split-KV attention partials
-# After the rows, one record per row (same order) of the weights its task's L2 prefetch requests
-# (the compiled decode kernel's PREFETCH, docs/megakernel.md): a Linear's rows [n0, n1) x K of W
-# and of W2 (gated), in units of 64 elements (pack.py's alignment of W offsets), so int32 covers
-# any arena: [first unit of W's block, units, first unit of W2's block or -1, 0]; other ops, and a
-# Linear whose weights are packed blocks in Q (not prefetched yet), [0, 0, -1, 0]. Header word 5
-# is where the records start.
-PF_WORDS = 4
-PF_UNIT = 64
-ACTIVATIONS = {"none": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}
-ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = 0, 1, 2
 
 @dataclass(frozen=True)
 class Region:
@@ -84,10 +86,8 @@ class Task:
     label: str = ""
 
     def row(self) -> list[int]:
-        r = [self.op, self.desc, self.a, self.b, self.c, len(self.waits)]
-        for i in range(MAX_WAITS):
-            r += list(self.waits[i]) if i < len(self.waits) else [-1, 0]
-        return r + [self.signal, self.signal_target, self.parent, 0]
+        return task_row(self.op, self.desc, self.a, self.b, self.c, self.waits, self.signal, self.signal_target,
+                        self.parent)
 
 
 @dataclass
@@ -175,9 +175,7 @@ class Program:
         """Header + prefill rows + decode rows, int32."""
         tabs = order or self.tables
         pre, dec = tabs["prefill"], tabs["decode"]
-        header = [len(pre), 0, len(dec), len(pre) * TASK_WORDS, self.n_events,
-                  HEADER_WORDS + (len(pre) + len(dec)) * TASK_WORDS]
-        header += [0] * (HEADER_WORDS - len(header))
+        header = table_header(len(pre), len(dec), self.n_events)
         rows = [w for t in pre + dec for w in t.row()]
         prefetch = [w for t in pre + dec for w in self.prefetch_record(t)]
         arr = np.array(header + rows + prefetch, dtype=np.int64)
@@ -188,15 +186,17 @@ class Program:
     def prefetch_record(self, t: Task) -> list[int]:
         """The PF_WORDS words of task t's L2 prefetch record (see PF_WORDS)."""
         if t.op != OP_LINEAR:
-            return [0, 0, -1, 0]
+            return list(PF_NONE)
         d = self.desc_int[t.desc]
         if int(d[LinearDesc.route]) == 0 and int(d[LinearDesc.w_format]):  # packed (Q): not prefetched yet
-            return [0, 0, -1, 0]
+            return list(PF_NONE)
         k, w_off, w2_off = int(d[LinearDesc.k]), int(d[LinearDesc.w]), int(d[LinearDesc.w2])
         lo, hi = w_off + t.a * k, w_off + t.b * k
-        first = lo // PF_UNIT
-        units = max(0, -(-hi // PF_UNIT) - first)
-        return [first, units, (w2_off + t.a * k) // PF_UNIT if w2_off >= 0 else -1, 0]
+        rec = [0] * PF_WORDS
+        rec[PF_FIRST] = lo // PF_UNIT
+        rec[PF_UNITS] = max(0, -(-hi // PF_UNIT) - rec[PF_FIRST])
+        rec[PF_FIRST2] = (w2_off + t.a * k) // PF_UNIT if w2_off >= 0 else -1
+        return rec
 
     def kv_page_map(self) -> dict[str, Any]:
         """The paged KV cache's map for batched launches (runtime/paged_kv.py; the native kernel

@@ -26,10 +26,10 @@ over the graph (`run`) and the row ops (embedding, norms, Linear, LM head).
 
 from __future__ import annotations
 
+from zlc.abi import ArgmaxDesc, EmbedDesc, RowNormDesc
 from zlc.bundle import OP_ARGMAX, OP_EMBED, OP_ROW_NORM
 from zlc.ir import Node, Value
 
-from .descriptors import ArgmaxDesc, EmbedDesc, RowNormDesc
 from .program import NORM_LAYER, NORM_NONE, NORM_RMS, Region, Task
 from .tasks_attention import AttentionTasks
 from .tasks_core import Buf, Heads, Norm, Op, Positions, QKNorm, ScheduleError

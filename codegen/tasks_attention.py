@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 import math
 
+from zlc.abi import AttentionDesc, CacheAppendDesc, CombineDesc
 from zlc.bundle import OP_ATTENTION, OP_ATTN_COMBINE, OP_CACHE_APPEND
 from zlc.ir import Node
 
-from .descriptors import AttentionDesc, CacheAppendDesc, CombineDesc
 from .program import ROPE_HALF, ROPE_INTERLEAVED, ROPE_NONE, Region, Task
 from .tasks_core import AttnOut, Heads, Norm, Positions, QKNorm, Rope, ScheduleError, TaskBuilderCore
 

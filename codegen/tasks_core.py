@@ -11,11 +11,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from zlc.abi import Desc, LinearDesc
 from zlc.bundle import OP_LINEAR
 from zlc.errors import ZlcError
 from zlc.ir import Graph, Node, Value
 
-from .descriptors import Desc, LinearDesc
 from .pack import Layout
 from .program import ACTIVATIONS, NORM_COMBINE, NORM_NONE, Buffer, Region, Task, Tiling
 

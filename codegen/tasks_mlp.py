@@ -4,9 +4,9 @@ as up then down, MoE as the router then those two per expert, routed; and the ML
 
 from __future__ import annotations
 
+from zlc.abi import LinearDesc
 from zlc.ir import Node, Value
 
-from .descriptors import LinearDesc
 from .program import Region
 from .tasks_core import Buf, Op, ScheduleError, TaskBuilderCore
 

@@ -24,9 +24,9 @@ checked, small files are hashed whole and large ones (the weights) by a sample o
 (`quick_check`: hashing SmolLM2's weights alone takes longer than a session start may);
 `verify_checksums` (`zlc inspect BUNDLE`, `zlc.load(path, full_check=True)`) hashes everything.
 
-This module is the whole format: the files and their checksums, and the encoding of the task
-tables and the control block that the kernel and every executor share. Codegen writes it,
-executors read it; neither imports the other.
+This module is the whole format: the files and their checksums; the encoding of the task tables and
+the control block that the kernel and every executor share is zlc.abi's (re-exported here). Codegen
+writes the bundle, executors read it; neither imports the other.
 """
 
 from __future__ import annotations
@@ -39,44 +39,51 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+# The layouts the kernels and every executor share (op kinds, the task table, the control block,
+# the batch block, the counters) are declared in zlc.abi; the bundle's readers find them here too.
+from .abi.tables import (  # noqa: F401, E402 (re-exported)
+    BATCH_CAP,
+    BATCH_HEADER,
+    BATCH_KV_BASE,
+    BATCH_N_DESC,
+    BATCH_N_LROWS,
+    BATCH_PAGE_SIZE,
+    BATCH_TOK_FLOATS,
+    CNT_EVENTS,
+    CNT_EXIT,
+    CNT_QUEUE,
+    CTRL_ALL_LOGITS,
+    CTRL_AUTO_ADVANCE,
+    CTRL_BATCH,
+    CTRL_ERR_EVENT,
+    CTRL_ERR_ROW,
+    CTRL_ERR_SEEN,
+    CTRL_ERR_TARGET,
+    CTRL_ERROR,
+    CTRL_MODE,
+    CTRL_OUT_TOKEN,
+    CTRL_PAST,
+    CTRL_T,
+    CTRL_TOKENS,
+    DESC_FLOATS,
+    DESC_WORDS,
+    ERROR_WAIT_TIMEOUT,
+    HEADER_WORDS,
+    MAX_WAITS,
+    MODE_DECODE,
+    MODE_PREFILL,
+    OP_ARGMAX,
+    OP_ATTENTION,
+    OP_ATTN_COMBINE,
+    OP_CACHE_APPEND,
+    OP_EMBED,
+    OP_LINEAR,
+    OP_NAMES,
+    OP_ROW_NORM,
+    TASK_WORDS,
+    TRACE_WORDS,
+)
 from .errors import ZlcError
-
-# ---- op kinds (the dispatch chain's numbering) ---------------------------------------------
-OP_EMBED, OP_LINEAR, OP_CACHE_APPEND, OP_ATTENTION, OP_ATTN_COMBINE, OP_ARGMAX, OP_ROW_NORM = range(7)
-OP_NAMES = ("embed", "linear", "cache_append", "attention", "attn_combine", "argmax", "row_norm")
-
-# ---- table geometry --------------------------------------------------------------------------
-TASK_WORDS = 16  # op, desc, a, b, c, n_waits, (event, target) x MAX_WAITS, signal, target, parent, pad
-MAX_WAITS = 3
-DESC_WORDS = 24  # int64 fields per descriptor
-DESC_FLOATS = 4  # f32 fields per descriptor
-HEADER_WORDS = 16  # TASKS[0:16]: n_prefill, base_prefill, n_decode, base_decode, n_events, ...
-
-# ---- control block (CTRL, int32) -------------------------------------------------------------
-CTRL_MODE, CTRL_T, CTRL_PAST, CTRL_OUT_TOKEN, CTRL_ERROR, CTRL_ALL_LOGITS, CTRL_AUTO_ADVANCE = range(7)
-CTRL_TOKENS = 16  # tokens of this step start here
-MODE_PREFILL, MODE_DECODE = 0, 1
-ERROR_WAIT_TIMEOUT = 1  # debug builds: a wait ran out of time (bad table or lost signal)
-# debug builds: the first wait that timed out. CTRL_ERR_EVENT holds its event + 1 (0: none; the
-# first timeout claims it with a compare-and-swap), then its target, the count it saw, and the
-# low 32 bits of the waiting task's row address (the host knows where it put TASKS)
-CTRL_ERR_EVENT, CTRL_ERR_TARGET, CTRL_ERR_SEEN, CTRL_ERR_ROW = 7, 8, 9, 10
-# A batched launch of the Triton kernel (prefill table, rows of several sequences over a paged KV
-# cache; runtime/paged_kv.py): the A offset of its batch block (int32 words in A, written by the
-# host before the launch), 0 for an ordinary launch. Read once per launch, like the words above.
-CTRL_BATCH = 11
-# The batch block: BATCH_HEADER words, then the cache map kv_k[n_desc], kv_v[n_desc] (per
-# descriptor, where its K / V cache starts in a page's token, -1 none), pos[cap], pt[cap],
-# lrows[cap] and the step's page tables. BATCH_KV_BASE is the page pool's A offset / 16.
-BATCH_PAGE_SIZE, BATCH_N_LROWS, BATCH_TOK_FLOATS, BATCH_KV_BASE, BATCH_CAP, BATCH_N_DESC = range(6)
-BATCH_HEADER = 16
-
-# ---- counters (CNT, int32) -------------------------------------------------------------------
-CNT_QUEUE, CNT_EXIT = 0, 1
-CNT_EVENTS = 16  # event e lives at CNT[16 + e]
-# trace builds (TRACE=1): int32 records after the counters, from the first multiple of TRACE_WORDS
-# past them: a header, one per task of the launch's table, one per program (runtime/trace.py)
-TRACE_WORDS = 8
 
 # ---- files ----------------------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ allow (its `requires`). Both read it here because neither may import the other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .abi.formats import FORMATS
 from .bundle import check_numerics
 from .errors import ZlcError
 
@@ -35,6 +37,22 @@ class Target:
     def is_gpu(self) -> bool:
         return self.compute_capability is not None
 
+    @property
+    def weight_formats(self) -> frozenset[str]:
+        """The packed weight formats (zlc.abi.formats) its kernel streams as a Linear's weights; a
+        matrix in any other format is compiled dense for it (passes/quantize.py)."""
+        return TRITON_WEIGHT_FORMATS if self.is_gpu else NATIVE_WEIGHT_FORMATS
+
+    def streams(self, weight_format: str) -> bool:
+        return weight_format in self.weight_formats
+
+
+# Capabilities of the kernels, per target kind. The Triton kernel (every GPU target) streams the
+# GGUF blocks whose fields it reads as planes (runtime/q_planes.py): q8_0, q4_0, q4_1. The native
+# CPU kernel streams every format.
+TRITON_WEIGHT_FORMATS = frozenset({"q8_0", "q4_0", "q4_1"})
+NATIVE_WEIGHT_FORMATS = frozenset(FORMATS)
+
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("a10", "sm_86", 86, 600.0, 72, 6),
@@ -46,6 +64,11 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("h200", "sm_90", 90, 4800.0, 132, 50),
     Target("cpu", "interpreter", None, None),
 )}
+
+
+def streamed_by(weight_format: str, targets: Sequence[str]) -> bool:
+    """Whether every target named streams `weight_format` (Target.weight_formats)."""
+    return all(get_target(t).streams(weight_format) for t in targets)
 
 
 def get_target(name: str) -> Target:

@@ -1,5 +1,5 @@
 """Generates the docs' tables that code declares: docs/ir.md's op tables from `zlc.ir.OPS` (names,
-arity, docs) and docs/megakernel.md's descriptor tables from `zlc.codegen.descriptors` (each op's
+arity, docs) and docs/megakernel.md's descriptor tables from `zlc.abi.descriptors` (each op's
 words and what they mean).
 
     python docs/gen_tables.py            # print the tables (markdown)
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from zlc.codegen.descriptors import DESCS
+from zlc.abi import DESCS
 from zlc.ir import OPS, OpDef
 
 DOCS = Path(__file__).resolve().parent

@@ -5,7 +5,7 @@ A token table may stay in its packed blocks (ir/quant.py PACKED_TABLES: a GGUF's
 head streams the same blocks, so the bundle holds one packed table and no dense one. The Triton
 kernel reads only dense embedding tables: with a GPU target in the compile every packed token table
 becomes dense again (its data is already the exact dequantization), except that a tied LM head
-whose format the Triton kernel streams (WeightFormat.triton) keeps the blocks as a copy of its own.
+whose format the Triton kernel streams (zlc.targets: Target.weight_formats) keeps the blocks as a copy of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from zlc.ir import Graph
 from zlc.ir.quant import PACKED_TABLES
+from zlc.targets import streamed_by
 
 
 def dense_tables_for_gpu(graphs: Sequence[Graph], gpu_targets: Sequence[str]) -> dict[str, str]:
@@ -31,7 +32,7 @@ def dense_tables_for_gpu(graphs: Sequence[Graph], gpu_targets: Sequence[str]) ->
                 if v is None or v.quant is None:
                     continue
                 other = [u for u in g.nodes if u is not n and any(x is v for x in u.inputs)]
-                if other and v.quant.format.triton:  # the tied head keeps streaming the blocks
+                if other and streamed_by(v.quant.format.name, gpu_targets):  # the tied head keeps streaming the blocks
                     copy = g.consts.get(f"{v.name}.dense")
                     if copy is None:
                         copy = g.add_const(f"{v.name}.dense", v.data)

@@ -17,6 +17,7 @@ from typing import Any
 from zlc.errors import ZlcError
 from zlc.ir import DType, Graph, Value
 from zlc.ir.quant import PACKED_INPUTS, PACKED_TABLES, get_format, quantize
+from zlc.targets import streamed_by
 
 from .embed_tables import dense_tables_for_gpu
 
@@ -30,11 +31,11 @@ class QuantizeError(ZlcError):
 
 def scheme_for(scheme: str | None, gpu_targets: Sequence[str]) -> str | None:
     """The format of `--quantize scheme` (None: none asked). With a GPU target the format must be
-    one the Triton kernel streams (WeightFormat.triton), else it is a one-line error."""
+    one the Triton kernel streams (zlc.targets: Target.weight_formats), else it is a one-line error."""
     if scheme is None:
         return None
     fmt = parse_scheme(scheme)
-    if gpu_targets and not get_format(fmt).triton:
+    if gpu_targets and not streamed_by(get_format(fmt).name, gpu_targets):
         raise QuantizeError(f"--quantize {scheme}: the Triton kernel does not stream {fmt} weights "
                             f"(target {', '.join(gpu_targets)}); compile the quantized bundle for --target cpu")
     return fmt
@@ -146,8 +147,8 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     """The manifest's `quantization` entry of a model whose frontend kept its file's blocks (a GGUF,
     an ONNX model's MatMulNBits int4 weights): which matrices stay packed in which format, which
     are dense and why; None when none is packed (nor an ONNX MatMulNBits weight left dense).
-    With a GPU target a matrix whose format the Triton kernel does not stream (WeightFormat.triton
-    False) drops its blocks (it keeps its exact dequantization as data), per matrix; a gated pair
+    With a GPU target a matrix whose format the Triton kernel does not stream (zlc.targets:
+    Target.weight_formats) drops its blocks (it keeps its exact dequantization as data), per matrix; a gated pair
     (gate and up: one descriptor word holds both formats) always shares its format, so both go.
     Packed embedding tables go dense with a GPU target too (embed_tables.py): Triton reads dense
     tables only."""
@@ -171,7 +172,7 @@ def packed_as_given(lowered: Any, gpu_targets: Sequence[str]) -> dict[str, Any] 
     dense = {**meta.get("dense", {}), **tables, **left}
     source = "gguf" if meta else "onnx" if any("onnx_opset" in g.metadata for g in graphs) else "frontend"
     if gpu_targets:
-        dropped = {name for name, q in packed.items() if not q.format.triton}
+        dropped = {name for name, q in packed.items() if not streamed_by(q.format.name, gpu_targets)}
         for g in graphs:
             for v in g.consts.values():
                 if v.name in dropped:

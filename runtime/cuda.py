@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from zlc import abi
 from zlc import bundle as fmt
 
 from . import trace as tr
@@ -186,7 +187,7 @@ class CudaBackend:
         drv.memset(ptr["A"], 4 * a_floats)  # as the interpreter's: no stale NaNs in unwritten rows
         self.cnt_words = int(lay["counters_size"])
         # a trace build writes its records after the counters (zlc.runtime.trace)
-        self.trace_offset = tr.trace_offset(int(self.tasks[4]))
+        self.trace_offset = tr.trace_offset(int(self.tasks[abi.HDR_N_EVENTS]))
         tracing = any(b == "trace" for _, b in self.builds)
         cnt_alloc = self.trace_offset + tr.trace_words(self.tasks, cfg.grid) if tracing else self.cnt_words
         ptr["CNT"] = self._alloc(4 * cnt_alloc)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zlc import bundle as fmt
+from zlc import abi
 from zlc.errors import ZlcError
 
 
@@ -38,8 +38,8 @@ class BatchLayout:
 
     @property
     def block(self) -> int:
-        """A offset of the batch block (16-aligned past the layout's buffers)."""
-        return -(-self.a_size // 16) * 16
+        """A offset of the batch block (BATCH_KV_ALIGN-aligned past the layout's buffers)."""
+        return -(-self.a_size // abi.BATCH_KV_ALIGN) * abi.BATCH_KV_ALIGN
 
     @property
     def table_words(self) -> int:
@@ -48,12 +48,12 @@ class BatchLayout:
 
     @property
     def block_words(self) -> int:
-        return fmt.BATCH_HEADER + 2 * self.n_desc + 3 * self.cap + self.table_words
+        return abi.batch_sections(self.n_desc, self.cap)["table"] + self.table_words
 
     @property
     def pool(self) -> int:
         """A offset of page 0."""
-        return -(-(self.block + self.block_words) // 16) * 16
+        return -(-(self.block + self.block_words) // abi.BATCH_KV_ALIGN) * abi.BATCH_KV_ALIGN
 
     @property
     def extra_floats(self) -> int:
@@ -78,16 +78,13 @@ class BatchLayout:
         if t and (pt.min() < 0 or last.max() >= len(table)):
             raise ZlcError("a row's page table runs past the step's tables")
         w = np.zeros(self.block_words, dtype=np.int32)
-        w[fmt.BATCH_PAGE_SIZE], w[fmt.BATCH_N_LROWS], w[fmt.BATCH_TOK_FLOATS] = self.page_size, len(lrows), self.tok_floats
-        w[fmt.BATCH_KV_BASE], w[fmt.BATCH_CAP], w[fmt.BATCH_N_DESC] = self.pool // 16, self.cap, self.n_desc
-        o = fmt.BATCH_HEADER
-        w[o:o + self.n_desc] = kv_k
-        w[o + self.n_desc:o + 2 * self.n_desc] = kv_v
-        o += 2 * self.n_desc
-        w[o:o + t] = pos
-        w[o + self.cap:o + self.cap + t] = pt
-        w[o + 2 * self.cap:o + 2 * self.cap + len(lrows)] = lrows
-        w[o + 3 * self.cap:o + 3 * self.cap + len(table)] = table
+        w[abi.BATCH_PAGE_SIZE], w[abi.BATCH_N_LROWS], w[abi.BATCH_TOK_FLOATS] = self.page_size, len(lrows), self.tok_floats
+        w[abi.BATCH_KV_BASE] = self.pool // abi.BATCH_KV_ALIGN
+        w[abi.BATCH_CAP], w[abi.BATCH_N_DESC] = self.cap, self.n_desc
+        at = abi.batch_sections(self.n_desc, self.cap)
+        for name, values in (("kv_k", kv_k), ("kv_v", kv_v), ("pos", pos), ("pt", pt), ("lrows", lrows),
+                             ("table", table)):
+            w[at[name]:at[name] + len(values)] = values
         return w
 
 
@@ -109,6 +106,6 @@ def batch_layout(layout: dict[str, object], max_seq: int, pages: int, page_size:
     kv_v = np.asarray(pk["v"], dtype=np.int32)
     lay = BatchLayout(a_size=int(layout["a_size"]), cap=int(layout["chunk"]), n_desc=len(kv_k),  # type: ignore[call-overload]
                       page_size=page_size, pages=pages, tok_floats=f, max_seq=max_seq)
-    if lay.pool // 16 >= 2**31 or lay.block + lay.block_words >= 2**31:
+    if lay.pool // abi.BATCH_KV_ALIGN >= 2**31 or lay.block + lay.block_words >= 2**31:
         raise ZlcError(f"the page pool's offset ({lay.pool} floats) is beyond the kernel's int32 words")
     return lay, kv_k, kv_v

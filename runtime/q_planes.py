@@ -1,7 +1,7 @@
 """The Triton kernel's layout of the Q arena (packed weights): each matrix's GGUF blocks rearranged
 in place into planes, at session start.
 
-A bundle's Q arena holds every packed matrix as GGUF blocks (ir/quant.py), which the native kernel
+A bundle's Q arena holds every packed matrix as GGUF blocks (zlc.abi.formats), which the native kernel
 reads. In those blocks the quants sit 2 (q8_0, q4_0) or 4 (q4_1) bytes past a 34-, 18- or 20-byte
 stride, so no GPU thread could load them 16 bytes at a time. The Triton kernel reads each matrix
 [N, K] at the same offset and in the same number of bytes as planes instead:
@@ -22,28 +22,27 @@ from typing import Any
 
 import numpy as np
 
+from zlc.abi.formats import FORMATS
 from zlc.errors import ZlcError
-from zlc.ir.quant import FORMATS
+from zlc.targets import TRITON_WEIGHT_FORMATS
 
-# bytes of each block's fields, in block order: (d, [m], quants) -> which planes
-_FIELDS = {"q8_0": (("d", 2), ("q", 32)), "q4_0": (("d", 2), ("q", 16)), "q4_1": (("d", 2), ("m", 2), ("q", 16))}
-_PLANES = ("q", "d", "m")
+_PLANES = ("q", "d", "m")  # the planes' order: quants, then the scales, then the mins
 _MAX_BYTES = 2**31  # the kernel's offsets within a matrix are int32
 
 
 def planar_formats() -> frozenset[str]:
-    """The formats this layout covers: those the Triton kernel streams (WeightFormat.triton)."""
-    return frozenset(name for name, f in FORMATS.items() if f.triton)
+    """The formats this layout covers: those the Triton kernel streams (zlc.targets)."""
+    return TRITON_WEIGHT_FORMATS
 
 
 def to_planes(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """Planes of one matrix's blocks ([N, K/32 * block_bytes] uint8): the same number of bytes."""
-    fields = _FIELDS[fmt]
-    bb = sum(n for _, n in fields)
+    """Planes of one matrix's blocks ([N, K/32 * block_bytes] uint8): the same number of bytes.
+    A block's fields and their sizes are the format's (zlc.abi.formats)."""
+    f = FORMATS[fmt]
     n_rows = blocks.shape[0]
-    b = blocks.reshape(n_rows, -1, bb)
+    b = blocks.reshape(n_rows, -1, f.block_bytes)
     at, parts = 0, {}
-    for name, n in fields:
+    for name, n in f.fields:
         parts[name] = b[:, :, at:at + n].reshape(-1)
         at += n
     return np.concatenate([parts[p] for p in _PLANES if p in parts])
@@ -58,12 +57,12 @@ def planar_q(q: np.ndarray, placements: Iterable[Mapping[str, Any]]) -> np.ndarr
             continue
         done.add(int(pl["offset"]))
         fmt = str(pl["format"])
-        if fmt not in _FIELDS or fmt not in planar_formats():
+        if fmt not in planar_formats():
             raise ZlcError(f"Q arena: '{pl['value']}' is {fmt}, which the Triton kernel does not stream "
                            "(compile the bundle with a GPU target to get it dense)")
         off, nbytes = int(pl["offset"]), int(pl["bytes"])
         n, k = (int(d) for d in pl["shape"])
-        if nbytes >= _MAX_BYTES or off + nbytes > out.size or nbytes != n * k // 32 * sum(b for _, b in _FIELDS[fmt]):
+        if nbytes >= _MAX_BYTES or off + nbytes > out.size or nbytes != n * k // FORMATS[fmt].block_k * FORMATS[fmt].block_bytes:
             raise ZlcError(f"Q arena: '{pl['value']}' ({fmt} [{n}, {k}]) at {off} is {nbytes} bytes, which does not "
                            f"fit the arena ({out.size} bytes) or its shape")
         out[off:off + nbytes] = to_planes(out[off:off + nbytes].reshape(n, -1), fmt)

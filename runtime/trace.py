@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from zlc import bundle as fmt
+from zlc import abi as fmt
 
 # ---- the task table -------------------------------------------------------------------------------
 
@@ -66,14 +66,11 @@ class TableTask:
 
 def table_tasks(tasks: np.ndarray, mode: int) -> list[TableTask]:
     """The rows of `mode`'s table in the raw int32 task table (header + rows)."""
-    t = np.asarray(tasks, dtype=np.int64).reshape(-1)
-    n, base = int(t[2 * mode]), int(t[2 * mode + 1])
-    rows = t[fmt.HEADER_WORDS + base:fmt.HEADER_WORDS + base + n * fmt.TASK_WORDS].reshape(n, fmt.TASK_WORDS)
     out = []
-    s = 6 + 2 * fmt.MAX_WAITS  # the signal word
-    for i, r in enumerate(rows.tolist()):
-        waits = tuple((r[6 + 2 * k], r[7 + 2 * k]) for k in range(min(r[5], fmt.MAX_WAITS)))
-        out.append(TableTask(i, r[0], r[1], (r[2], r[3], r[4]), waits, r[s], r[s + 1], r[s + 2]))
+    for i, r in enumerate(fmt.mode_rows(tasks, mode).tolist()):
+        out.append(TableTask(i, r[fmt.TASK_OP], r[fmt.TASK_DESC], (r[fmt.TASK_A], r[fmt.TASK_B], r[fmt.TASK_C]),
+                             tuple(fmt.row_waits(r)), r[fmt.TASK_SIGNAL], r[fmt.TASK_SIGNAL_TARGET],
+                             r[fmt.TASK_PARENT]))
     return out
 
 
@@ -127,7 +124,7 @@ def trace_words(tasks: np.ndarray, grid: int) -> int:
     """Words of the trace region for the table `tasks` launched with `grid` programs: the records,
     then the per-task stamps (rounded up to whole records)."""
     t = np.asarray(tasks).reshape(-1)
-    n_max = max(int(t[0]), int(t[2]))
+    n_max = max(int(t[fmt.HDR_N_PREFILL]), int(t[fmt.HDR_N_DECODE]))
     return fmt.TRACE_WORDS * (1 + n_max + grid) + _stamp_words(n_max)
 
 
@@ -157,13 +154,15 @@ class Trace:
 
 
 def _stamp(rec: np.ndarray, lo: int) -> np.ndarray:
+    """The int64 stamp whose low word is at `lo` (TR_START_LO, TR_END_LO; the high word follows it)."""
     return (rec[:, lo + 1].astype(np.int64) << 32) | (rec[:, lo].astype(np.int64) & 0xFFFFFFFF)
 
 
 def read_trace(region: np.ndarray, tasks: np.ndarray, mode: int, grid: int, *, unit: str = "ns") -> Trace:
     """Decodes the trace region (the int32 words from `trace_offset` on) of a launch of `mode`."""
     t = np.asarray(tasks).reshape(-1)
-    n, n_max = int(t[2 * mode]), max(int(t[0]), int(t[2]))
+    n = int(t[fmt.HDR_N_PREFILL + fmt.HDR_MODE_WORDS * mode])
+    n_max = max(int(t[fmt.HDR_N_PREFILL]), int(t[fmt.HDR_N_DECODE]))
     need = trace_words(t, grid)
     words = np.asarray(region, dtype=np.int32).reshape(-1)
     if words.size < need:
@@ -172,11 +171,13 @@ def read_trace(region: np.ndarray, tasks: np.ndarray, mode: int, grid: int, *, u
     recs = words[:n_rec].reshape(-1, fmt.TRACE_WORDS)
     task, prog = recs[1:1 + n], recs[1 + n_max:1 + n_max + grid]
     stamps = words[n_rec:n_rec + STAMP_WORDS * n].reshape(n, STAMP_WORDS).astype(np.int64)
-    return Trace(mode=mode, unit=unit, sm=task[:, 0].astype(np.int64), program=task[:, 1].astype(np.int64),
-                 start=_stamp(task, 2), end=_stamp(task, 4), cycles=task[:, 6].astype(np.int64),
-                 recorded=task[:, 7] == 1, prog_sm=prog[:, 0].astype(np.int64), prog_entry=_stamp(prog, 2),
-                 prog_exit=_stamp(prog, 4), prog_cycles=prog[:, 6].astype(np.int64),
-                 prog_tasks=prog[:, 7].astype(np.int64), stamps=stamps)
+    return Trace(mode=mode, unit=unit, sm=task[:, fmt.TR_SM].astype(np.int64),
+                 program=task[:, fmt.TR_PROGRAM].astype(np.int64), start=_stamp(task, fmt.TR_START_LO),
+                 end=_stamp(task, fmt.TR_END_LO), cycles=task[:, fmt.TR_CYCLES].astype(np.int64),
+                 recorded=task[:, fmt.TR_COUNT] == 1, prog_sm=prog[:, fmt.TR_SM].astype(np.int64),
+                 prog_entry=_stamp(prog, fmt.TR_START_LO), prog_exit=_stamp(prog, fmt.TR_END_LO),
+                 prog_cycles=prog[:, fmt.TR_CYCLES].astype(np.int64), prog_tasks=prog[:, fmt.TR_COUNT].astype(np.int64),
+                 stamps=stamps)
 
 
 # ---- analysis ---------------------------------------------------------------------------------------
@@ -420,7 +421,8 @@ def describe_timeout(ctrl: np.ndarray, tasks: np.ndarray, mode: int, tasks_addre
     target, seen = int(c[fmt.CTRL_ERR_TARGET]), int(c[fmt.CTRL_ERR_SEEN])
     t = np.asarray(tasks).reshape(-1)
     word = ((int(c[fmt.CTRL_ERR_ROW]) - tasks_address) & 0xFFFFFFFF) // 4  # low 32 bits of the row address
-    index, rest = divmod(word - fmt.HEADER_WORDS - int(t[2 * mode + 1]), fmt.TASK_WORDS)
+    index, rest = divmod(word - fmt.HEADER_WORDS - int(t[fmt.HDR_BASE_PREFILL + fmt.HDR_MODE_WORDS * mode]),
+                         fmt.TASK_WORDS)
     table = table_tasks(t, mode)
     who = _task_name(table, index, labels) if rest == 0 and 0 <= index < len(table) else "a task"
     return f"{who} waited for {_event_name(ev, event_labels)} to reach {target} and saw {seen}"

@@ -24,6 +24,9 @@ FOLDERS = [("runtime/serve", "zlc.runtime.serve"), ("runtime", "zlc.runtime"), (
 # are independent of each other (codegen and the runtime never import each other).
 LAYERS: list[list[str]] = [
     ["zlc.errors", "zlc.version"],
+    # the host-kernel ABI: every layout the kernels and the host share (below the IR's formats and
+    # the bundle, which re-export parts of it)
+    ["zlc.abi"],
     ["zlc.ir", "zlc.bundle", "zlc.gguf_reader"],  # the formats: the IR, bundles, GGUF files (read)
     ["zlc.reference", "zlc.targets", "zlc.testing"],
     ["zlc.frontend", "zlc.passes"],

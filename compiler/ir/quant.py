@@ -3,7 +3,7 @@ Runtime's MatMulNBits int4 blocks (nbits4_b16 ... nbits4_b1024), carried by a Li
 
 A quantized weight is still an f32 [N, K] constant in the IR: its `data` is the exact dequantized
 matrix (what the reference executor and every f32 consumer read), and `Value.quant` holds the
-packed blocks the kernels stream. The blocks are GGUF's own ([N, K/32] blocks, row-major, each
+packed blocks the kernels stream (codes and block geometry: zlc.abi.formats). The blocks are GGUF's own ([N, K/32] blocks, row-major, each
 block as ggml lays it out), so a GGUF tensor can be handed through unchanged; `gguf.quants` is the
 quantizer and the bit-exact dequantization oracle (no hand-written rounding here).
 
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# the formats' codes and block geometry are the ABI's (zlc.abi.formats), re-exported for the IR's users
+from zlc.abi.formats import BLOCK, FORMATS, NBITS_BLOCKS, NBITS_HEAD, WeightFormat  # noqa: F401
 from zlc.errors import IRError
-
-BLOCK = 32  # K-values per (sub-)block of the GGUF formats: the kernels' unit of activation sums
 
 # Where a packed weight may be read: op -> its inputs that are [N, K] matrices the kernels stream
 # as a Linear's weights (codegen lowers each of them to a Linear task).
@@ -55,36 +55,6 @@ PACKED_INPUTS: dict[str, tuple[int, ...]] = {"Linear": (1,), "LMHead": (1,), "Ga
 # Tables read row by row in a packed format: the Embedding's token table (the native kernel gathers
 # each token's row of blocks and dequantizes it; the Triton kernel reads none, passes/embed_tables.py).
 PACKED_TABLES: dict[str, tuple[int, ...]] = {"Embedding": (0,)}
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    name: str
-    code: int  # the Linear descriptor's w_format word (0: dense, in the W arena)
-    block_bytes: int
-    block_k: int = BLOCK  # K-values per block (256: the K-quants' super-blocks)
-    quantizable: bool = True  # gguf's Python quantizer writes it (the K-quants: llama.cpp's only)
-    triton: bool = False  # the Triton kernel streams it as a Linear weight (else dense with a GPU target)
-
-    @property
-    def bytes_per_weight(self) -> float:
-        return self.block_bytes / self.block_k
-
-
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
-    WeightFormat("q8_0", 1, 34, triton=True),
-    WeightFormat("q4_0", 2, 18, triton=True),
-    WeightFormat("q4_1", 3, 20, triton=True),
-    WeightFormat("q5_0", 4, 22),
-    WeightFormat("q5_1", 5, 24),
-    WeightFormat("q4_k", 6, 144, 256, False),
-    WeightFormat("q5_k", 7, 176, 256, False),
-    WeightFormat("q6_k", 8, 210, 256, False),
-)}
-NBITS_BLOCKS = tuple(16 << i for i in range(7))  # MatMulNBits block sizes with a format: 16 .. 1024
-NBITS_HEAD = 5  # bytes before a nbits4 block's quants: f32 scale, u8 zero point
-FORMATS.update({f"nbits4_b{b}": WeightFormat(f"nbits4_b{b}", 9 + i, NBITS_HEAD + b // 2, b, False)
-                for i, b in enumerate(NBITS_BLOCKS)})
 
 
 def _ggml_type(name: str):  # the gguf package's enum member of a format

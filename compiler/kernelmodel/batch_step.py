@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from zlc.abi import AttentionDesc, EmbedDesc
 from zlc.bundle import (
     CTRL_BATCH,
     CTRL_MODE,
@@ -33,7 +34,6 @@ from zlc.bundle import (
     OP_EMBED,
     OP_NAMES,
 )
-from zlc.codegen.descriptors import AttentionDesc, EmbedDesc
 
 from .event_sim import TaskShape, simulate
 from .latency import CASES, params_for, path_shape, sim_params

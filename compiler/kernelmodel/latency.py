@@ -20,8 +20,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from zlc.abi import LinearDesc
 from zlc.bundle import MODE_DECODE, OP_LINEAR, OP_NAMES
-from zlc.codegen.descriptors import LinearDesc
 from zlc.targets import get_target
 
 from .calibration import calibration

@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from zlc.bundle import (
+from zlc.abi import (
     CTRL_MODE,
     CTRL_PAST,
     CTRL_T,
-    HEADER_WORDS,
-    MAX_WAITS,
     MODE_DECODE,
     MODE_PREFILL,
+    NORM_LAYER,
+    NORM_RMS,
     OP_ARGMAX,
     OP_ATTENTION,
     OP_CACHE_APPEND,
@@ -40,10 +40,21 @@ from zlc.bundle import (
     OP_LINEAR,
     OP_NAMES,
     OP_ROW_NORM,
-    TASK_WORDS,
+    TASK_A,
+    TASK_B,
+    TASK_C,
+    TASK_DESC,
+    TASK_OP,
+    TASK_PARENT,
+    TASK_SIGNAL,
+    AttentionDesc,
+    CacheAppendDesc,
+    EmbedDesc,
+    LinearDesc,
+    RowNormDesc,
+    mode_rows,
+    row_waits,
 )
-from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, EmbedDesc, LinearDesc, RowNormDesc
-from zlc.codegen.program import NORM_LAYER, NORM_RMS
 
 from .sass_map import KernelStatsError
 from .triton_source import Evaluator, KernelSource
@@ -71,13 +82,11 @@ class Tables:
     def rows(self, mode: int) -> list[dict[str, Any]]:
         if mode in self._rows:
             return self._rows[mode]
-        n, base = int(self.tasks[2 * mode]), int(self.tasks[2 * mode + 1])
         out = []
-        for i in range(n):
-            r = self.tasks[HEADER_WORDS + base + i * TASK_WORDS:][:TASK_WORDS]
-            out.append({"op": int(r[0]), "desc": int(r[1]), "a": int(r[2]), "b": int(r[3]), "c": int(r[4]),
-                        "waits": [(int(r[6 + 2 * k]), int(r[7 + 2 * k])) for k in range(int(r[5]))],
-                        "signal": int(r[6 + 2 * MAX_WAITS]), "parent": int(r[8 + 2 * MAX_WAITS])})
+        for r in mode_rows(self.tasks, mode):
+            out.append({"op": int(r[TASK_OP]), "desc": int(r[TASK_DESC]), "a": int(r[TASK_A]), "b": int(r[TASK_B]),
+                        "c": int(r[TASK_C]), "waits": row_waits(r), "signal": int(r[TASK_SIGNAL]),
+                        "parent": int(r[TASK_PARENT])})
         self._rows[mode] = out
         return out
 

@@ -144,10 +144,11 @@ class Engine:
         if self.stats is None:
             return
         s, b, st = self.scheduler, self.backend, self.scheduler.stats
-        self.stats.values[:] = (st.steps, st.rows, self.host_ns * 1e-9, st.backend_ns * 1e-9, st.preemptions,
-                                len(s.running), len(s.waiting), b.pages_free(), b.pages_total,
-                                self.last_host_ns * 1e-9, st.last_backend_ns * 1e-9, st.prefix_hits,
-                                st.prefix_tokens, b.pages_cached())
+        self.stats.put(steps=st.steps, rows=st.rows, host_seconds=self.host_ns * 1e-9,
+                       backend_seconds=st.backend_ns * 1e-9, preemptions=st.preemptions, running=len(s.running),
+                       waiting=len(s.waiting), pages_free=b.pages_free(), pages_total=b.pages_total,
+                       last_host_seconds=self.last_host_ns * 1e-9, last_backend_seconds=st.last_backend_ns * 1e-9,
+                       prefix_hits=st.prefix_hits, prefix_tokens=st.prefix_tokens, pages_cached=b.pages_cached())
 
     def run(self, idle_check: Any = None) -> None:
         """Serves until ``stop()``; sleeps on the request eventfd when idle. ``idle_check`` is

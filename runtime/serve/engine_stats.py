@@ -10,15 +10,15 @@ import os
 
 import numpy as np
 
+from zlc.abi import ENGINE_SLOT, ENGINE_STATS, engine_record
+
 
 class EngineStats:
     """The engine's counters in a shared file: the engine writes them after every step, the
     ingress maps the same file (an fd it passed) and reads them when /metrics is scraped. f64 slots
     (a torn read of one slot is impossible on 64-bit hosts; slots are read independently)."""
 
-    FIELDS = ("steps", "rows", "host_seconds", "backend_seconds", "preemptions", "running", "waiting",
-              "pages_free", "pages_total", "last_host_seconds", "last_backend_seconds", "prefix_hits",
-              "prefix_tokens", "pages_cached")
+    FIELDS = ENGINE_STATS  # the record's slots (zlc.abi.engine_stats)
 
     def __init__(self, fd: int | None = None):
         size = 8 * len(self.FIELDS)
@@ -30,7 +30,11 @@ class EngineStats:
         self.values = np.frombuffer(self._map, dtype=np.float64)
 
     def get(self, name: str) -> float:
-        return float(self.values[self.FIELDS.index(name)])
+        return float(self.values[ENGINE_SLOT[name]])
+
+    def put(self, **values: float) -> None:
+        """Writes the whole record, every counter by name (a missing or unknown name is an error)."""
+        self.values[:] = engine_record(values)
 
     def close(self) -> None:
         """Unmaps and closes the fd (idempotent)."""

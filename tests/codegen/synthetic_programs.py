@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from zlc import bundle as fmt
+from zlc.abi import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import AttentionDesc, CacheAppendDesc, Desc, EmbedDesc, LinearDesc
 from zlc.ir.quant import FORMATS
+from zlc.targets import TRITON_WEIGHT_FORMATS
 
 Fields = dict[str, float]
 
@@ -61,7 +62,7 @@ ONE: dict[str, tuple[type[Desc], Fields]] = {
 
 def every_feature_packed() -> list[tuple[type[Desc], Fields]]:
     """A Linear task per weight format the Triton kernel streams (the packed bodies)."""
-    return [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.triton]
+    return [(LinearDesc, dict(k=64, w_format=q.code)) for q in FORMATS.values() if q.name in TRITON_WEIGHT_FORMATS]
 
 
 def every_feature() -> SimpleNamespace:

@@ -5,8 +5,8 @@ bench/kernel_stats.py; this pins the plan those cubins come from."""
 from types import SimpleNamespace
 
 from zlc import bundle as fmt
+from zlc.abi import LinearDesc
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.gemv_plan import MAX_CHUNK, MERGED_NARROW_SPLITS, gemv_bodies
 
 

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 
 from zlc import bundle as fmt
+from zlc.abi import LinearDesc
 from zlc.codegen import gemv_source
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.gemv_plan import GemvBody, gemv_bodies
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -17,8 +17,8 @@ import pytest
 from synthetic_programs import ONE, PLAIN, every_feature_packed
 from synthetic_programs import program as _program
 
+from zlc.abi import LinearDesc
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.emit import Features, render
 
 # Code that exists only for one feature: a model without it must compile none of it.

@@ -25,8 +25,8 @@ import pytest
 from megakernel_checks import ATOL, PROMPT, Built, assert_matches, gpu_like, run_both, source
 
 from zlc import bundle as fmt
+from zlc.abi import LinearDesc
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.program import Region, Task
 from zlc.codegen.schedule import _assign_events, _Events, schedule, signalers, tiling_for
 from zlc.codegen.shuffle import random_topological_order, write_tables

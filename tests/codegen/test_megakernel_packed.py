@@ -1,4 +1,4 @@
-"""The Triton megakernel streaming packed GGUF blocks (q8_0, q4_0, q4_1: WeightFormat.triton), in
+"""The Triton megakernel streaming packed GGUF blocks (q8_0, q4_0, q4_1: zlc.targets), in
 Triton's interpreter. One tiny Llama GGUF compiled for a GPU and the CPU target keeps its blocks
 (manifest.quantization): q4_1 in layer 0, q4_0 / q8_0 in layer 1 (the gated pair shares one
 format), a tied q8_0 embedding whose LM head streams the blocks as its own copy, a q5_0 matrix that
@@ -21,8 +21,9 @@ from megakernel_cases import assert_decode_equals_prefill
 from megakernel_checks import ATOL, Built, gpu_like
 
 import zlc
-from zlc.ir.quant import FORMATS, quantize
+from zlc.ir.quant import quantize
 from zlc.runtime.q_planes import to_planes
+from zlc.targets import TRITON_WEIGHT_FORMATS
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -111,7 +112,7 @@ def test_triton_kernel_streams_blocks_with_the_gpu_shape_of_work(packed: tuple[P
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from(sorted(n for n, f in FORMATS.items() if f.triton)), st.integers(1, 5), st.integers(1, 4),
+@given(st.sampled_from(sorted(TRITON_WEIGHT_FORMATS)), st.integers(1, 5), st.integers(1, 4),
        st.integers(0, 2**31))
 def test_planes_dequantize_exactly_as_the_blocks(fmt: str, n: int, kb: int, seed: int) -> None:
     """Reading the planes as the kernel does (quants, then f16 d, then f16 m) gives gguf's dequantization."""

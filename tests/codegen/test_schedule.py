@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zlc import bundle as fmt
+from zlc.abi import LinearDesc
 from zlc.bundle import OP_NAMES
 from zlc.codegen import program as pg
-from zlc.codegen.descriptors import LinearDesc
 from zlc.codegen.program import Program, Region, Task, Tiling
 from zlc.codegen.schedule import happens_before, schedule, signalers, tiling_for
 from zlc.codegen.shuffle import adversarial_order, drop_wait, random_topological_order, write_tables

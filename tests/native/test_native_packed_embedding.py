@@ -9,7 +9,6 @@ table in weights.safetensors nor in the mapped layout). With a GPU target the ta
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +118,9 @@ def test_a_gpu_target_keeps_the_table_dense(untied: tuple[Path, Path, Any], tmp_
 
 
 def test_a_tied_head_the_triton_kernel_streams_keeps_the_blocks(tmp_path: Path) -> None:
-    """A tied table in a format with WeightFormat.triton: the embedding reads a dense copy (same
-    data), the LM head keeps the packed constant."""
+    """A tied table in a format the Triton kernel streams (zlc.targets: q8_0): the embedding reads a
+    dense copy (same data), the LM head keeps the packed constant."""
+    from zlc.targets import get_target
     from zlc.testing.families import hf_model
     from zlc.testing.gguf_files import write_gguf
 
@@ -129,8 +129,7 @@ def test_a_tied_head_the_triton_kernel_streams_keeps_the_blocks(tmp_path: Path) 
     g = import_gguf(path, 64)
     table = g.consts["token_embd.weight"]
     assert dense_tables_for_gpu([g], []) == {} and table.quant is not None  # no GPU target: as it is
-    assert table.quant is not None
-    table.quant = dataclasses.replace(table.quant, format=dataclasses.replace(table.quant.format, triton=True))
+    assert table.quant is not None and get_target("h100").streams(table.quant.format.name)
     why = dense_tables_for_gpu([g], ["h100"])
     emb = next(n for n in g.nodes if n.op == "Embedding")
     head = next(n for n in g.nodes if n.op == "LMHead")
@@ -149,7 +148,7 @@ def test_a_corrupt_packed_table_descriptor_refuses_the_session(untied: tuple[Pat
     from safetensors.numpy import load_file, save_file
 
     from zlc import bundle as fmt
-    from zlc.codegen.descriptors import EmbedDesc
+    from zlc.abi import EmbedDesc
     from zlc.runtime.native import NativeBackend, NativeError
 
     out, man = untied[1], untied[2].manifest

@@ -121,6 +121,6 @@ def test_one_line_errors(tiny_onnx: Path, tmp_path: Path) -> None:
     with pytest.raises(QuantizeError, match="expected one of int8, int4"):
         parse_scheme("int3")
     assert parse_scheme("INT4:q4_1") == "q4_1" and parse_scheme("int4") == "q4_0"
-    # every --quantize format is one the Triton kernel streams (WeightFormat.triton): a GPU target takes it
+    # every --quantize format is one the Triton kernel streams (Target.weight_formats): a GPU target takes it
     res = zlc.compile(tiny_onnx, targets=["cpu", "a10"], out=tmp_path / "x.zlc", quantize="int8", stop_after="quantize")
     assert res.build.quantization["format"] == "q8_0" and res.build.quantization["packed"]

@@ -1,4 +1,4 @@
-"""The op descriptors' schema: which word of a descriptor row means what, for each op.
+"""The op descriptors' schema (part of zlc.abi): which word of a descriptor row means what, for each op.
 
 A task names its op and a descriptor row: DESC_WORDS int64 words (DI) and DESC_FLOATS f32 words
 (DF) holding the op instance's arena offsets, sizes and codes. The meaning of each word is
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zlc.bundle import (
+from .tables import (
     DESC_FLOATS,
     DESC_WORDS,
     OP_ARGMAX,
@@ -129,7 +129,7 @@ class EmbedDesc(Desc):
     norm = I(5, "a norm of the embedded rows, in place: NORM_NONE, NORM_RMS or NORM_LAYER (BLOOM)")
     norm_w = I(6, "P offset of that norm's gains")
     norm_b = I(7, "P offset of its bias, -1 none")
-    table_format = I(8, "0: the token table is dense in W; else its packed format's code (ir/quant.py), "
+    table_format = I(8, "0: the token table is dense in W; else its packed format's code (zlc.abi.formats), "
                         "its rows of blocks gathered and dequantized (native kernel only)")
     vocab = I(9, "rows of the token table")
     scale = F(0, "the rows' scale (Gemma: sqrt(hidden))")
@@ -158,7 +158,7 @@ class LinearDesc(Desc):
     merge_splits = I(11, "split-KV partials per head to merge", when="norm is NORM_COMBINE")
     norm_b = I(12, "P offset of the fused LayerNorm's bias, -1 none", when="norm is not NORM_COMBINE")
     merge_head_dim = I(12, "head size of the merged partials", when="norm is NORM_COMBINE")
-    act = I(13, "activation code (program.ACTIVATIONS)")
+    act = I(13, "activation code (ACTIVATIONS)")
     lm = I(14, "1: the LM head (logits, then an argmax partial per task)")
     lm_partials = I(15, "A offset of the LM head's (max, argmax) partials, -1 none")
     route_logits = I(16, "A offset of the MoE router's logits [T, E]", when="route is not 0")
@@ -173,7 +173,7 @@ class LinearDesc(Desc):
                  when="route is 0 and copy is 1")
     route_normalize = I(20, "1: top-k weights renormalized to sum 1", when="route is not 0")
     w_format = I(20, "how w and w2 are stored: 0 dense in the W arena (offsets in elements); else a packed "
-                     "format's code (ir/quant.py: 1 q8_0, 2 q4_0, 3 q4_1, ..., 8 q6_k, 9..15 nbits4_b16..b1024), offsets in bytes of the Q arena",
+                     "format's code (zlc.abi.formats: 1 q8_0, 2 q4_0, 3 q4_1, ..., 8 q6_k, 9..15 nbits4_b16..b1024), offsets in bytes of the Q arena",
                  when="route is 0")
     route = I(21, "MoE routing: 0 none, 1 an expert's gate/up, 2 an expert's down")
     down_rows = I(22, "rows of the MLP down fused into these tasks (its output columns), 0 none")
