@@ -112,11 +112,7 @@ def trace_offset(n_events: int) -> int:
     return (used + fmt.TRACE_WORDS - 1) // fmt.TRACE_WORDS * fmt.TRACE_WORDS
 
 
-# Per task after the records, each a time after the task's start (-1: not stamped): its claim's
-# result arrived (claim), its row's words arrived (descriptor), its waits passed (waited: stamped where
-# the dispatch waits for the body; the decode bodies that wait themselves, after requesting their
-# first weights, leave -1), its body's loads and stores issued (body end, before the signal).
-STAMP_WORDS = 4
+STAMP_WORDS = fmt.STAMP_WORDS  # per task after the records (zlc.abi: ST_CLAIM .. ST_BODY_END)
 TERMS = ("claim", "descriptor", "wait", "body", "signal")
 
 

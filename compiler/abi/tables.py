@@ -89,6 +89,12 @@ TRACE_WORDS = 8
 # (int64 as lo, hi words), the cycles between them, and a count (a task's: 1 when it ran; a
 # program's: its tasks)
 TR_SM, TR_PROGRAM, TR_START_LO, TR_START_HI, TR_END_LO, TR_END_HI, TR_CYCLES, TR_COUNT = range(TRACE_WORDS)
+# then, from the first whole record past the records, STAMP_WORDS int32 per task of the table: times
+# after the task's start (-1: not stamped) at which its claim's result arrived, its row's words
+# arrived, its waits passed (where the dispatch waits for the body) and its body's loads and stores
+# were issued (runtime/trace_terms.py splits a task's time by them)
+STAMP_WORDS = 4
+ST_CLAIM, ST_DESCRIPTOR, ST_WAITED, ST_BODY_END = range(STAMP_WORDS)
 
 # ---- codes the descriptors carry -------------------------------------------------------------------
 NORM_NONE, NORM_RMS, NORM_LAYER = 0, 1, 2
