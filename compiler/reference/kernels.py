@@ -484,11 +484,11 @@ def _moe(node: Node, xs: list[Any]) -> list[torch.Tensor]:
     act = node.attrs.get("activation", "silu")
     flat, fv, fi = x.reshape(-1, x.shape[-1]), vals.reshape(-1, vals.shape[-1]), idx.reshape(-1, idx.shape[-1])
     out = torch.zeros(flat.shape, dtype=_wide(x).dtype)
+    g, u, d = (node.inputs + [None] * 5)[2:5]  # (raising's probe runs a MoE node without its inputs)
     for t in range(flat.shape[0]):  # per token, only its selected experts, in top-k order
         for j in range(fi.shape[1]):
             e = int(fi[t, j])
-            h = _act(act, linear(node.inputs[2], flat[t], wg[e])) * linear(node.inputs[3], flat[t], wu[e])
-            y = linear(node.inputs[4], h, wd[e])
+            y = linear(d, _act(act, linear(g, flat[t], wg[e])) * linear(u, flat[t], wu[e]), wd[e])
             out[t] += fv[t, j] * _wide(y)
     return [out.to(x.dtype).reshape(x.shape)]
 
