@@ -44,6 +44,7 @@ class CompileProgress:
         self.stage: str | None = None
         self.explicit = False  # begin() marks the stages; else a new stage name in a report does
         self.lock = threading.Lock()  # the stage's bars change from the build's job threads too
+        self.pending: str | None = None  # the finished stage's line, printed once the next one reports
         self.t = self.t0 = time.perf_counter()
 
     def __enter__(self) -> CompileProgress:
@@ -57,16 +58,28 @@ class CompileProgress:
             self.bars.stop()
 
     def begin(self, stage: str) -> None:
-        """A stage starts (zlc.compile calls it before each stage's work)."""
+        """A stage starts (zlc.compile calls it before each stage's work). The finished stage's line
+        waits for the new stage's first report: a compile that fails as a stage starts prints its
+        one error line, not a line of progress before it."""
         self.explicit = True
-        self._switch(stage)
+        self._switch(stage, defer=True)
 
-    def _switch(self, stage: str) -> None:
+    def _flush(self) -> None:
+        if self.pending is not None:
+            self.console.print(self.pending)
+            self.pending = None
+
+    def _switch(self, stage: str, defer: bool = False) -> None:
         now = time.perf_counter()
         if stage == self.stage:
             return
+        self._flush()
         if self.stage is not None:
-            self.console.print(f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s")
+            line = f"[green]✓[/] {escape(self.stage):<10} {now - self.t:>7.2f} s"
+            if defer:
+                self.pending = line
+            else:
+                self.console.print(line)
         self.stage, self.t = stage, now
         if self.bars is not None:
             with self.lock:
@@ -79,6 +92,7 @@ class CompileProgress:
     def __call__(self, stage: str, detail: str) -> None:
         if not self.explicit:
             self._switch(stage)
+        self._flush()
         if self.bars is not None and self.line is not None:
             self.bars.update(self.line, description=f"{escape(stage)}: {escape(detail)}")
         # a part of the bundle that could not be built says so on every console, not only in a
