@@ -1,14 +1,18 @@
-"""Socket and process helpers shared by the serve tests (a module, not a conftest: plain functions)."""
+"""Socket, process and client helpers shared by the serve tests (a module, not a conftest: plain
+functions; the fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
 import glob
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -65,7 +69,7 @@ def health(server: Any) -> tuple[int, dict[str, Any]]:
     return status, dict(body)
 
 
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 60.0, every: float = 0.05) -> None:
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 120.0, every: float = 0.05) -> None:
     """Polls `cond` until it holds; AssertionError naming `what` after `timeout` (a bound on hangs,
     not a speed requirement)."""
     deadline = time.monotonic() + timeout
@@ -83,3 +87,29 @@ def metric(server: Any, name: str, headers: dict[str, str] | None = None, **labe
     assert status == 200, (status, text)
     return sum(s.value for f in text_string_to_metric_families(str(text)) for s in f.samples
                if s.name == name and labels.items() <= s.labels.items())
+
+
+def openai_client(server: Any, key: str = "k", timeout: float = 120.0) -> Any:
+    """The official OpenAI SDK against `server` (no retries: a refused request must fail the test)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def anthropic_client(server: Any, key: str = "k", timeout: float = 120.0) -> Any:
+    """The official Anthropic SDK against `server` (no retries)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0, timeout=timeout)
+
+
+def sdk_clients(server: Any, key: str = "k", timeout: float = 120.0) -> tuple[Any, Any]:
+    """(anthropic, openai) clients of `server`."""
+    return anthropic_client(server, key, timeout), openai_client(server, key, timeout)
+
+
+def serve_refused(bundle: Path, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`zlc serve BUNDLE --port 0 ARGS` expected to refuse its options and exit (no listening line to
+    wait for): the finished process, stdout and stderr as text."""
+    return subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(bundle), "--port", "0", *args],
+                          capture_output=True, text=True, timeout=timeout)

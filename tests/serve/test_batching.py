@@ -22,13 +22,6 @@ PROMPTS = [f"prompt {i}: tell me about {w}" for i, w in enumerate(WORDS)]  # 48 
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
-
-
 def alone_texts(bundle: Any, n: int, prompts: list[str] = PROMPTS, device: str = "reference") -> dict[str, str]:
     tok = bundle.tokenizer
     return {p: tok.decode(bundle.generate(tok.encode_chat(p), n, device=device, eos=bundle.eos_token_ids))

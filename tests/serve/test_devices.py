@@ -11,13 +11,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import get, metric, process_state, wait_for
+from serve_helpers import get, metric, process_state, serve_refused, wait_for
 
 from zlc.runtime.serve.router import PAGES_PER_EXTRA_REQUEST
 
@@ -35,13 +33,6 @@ QUESTIONS = ["what is a ring?", "what is a page?", "what is a step?", "what is a
 
 def messages(user: str, system: str | None = None) -> list[dict[str, str]]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
 
 
 def alone(bundle: Any, msgs: list[dict[str, str]], n: int = MAX_TOKENS) -> str:
@@ -233,8 +224,7 @@ def test_a_killed_engine_fails_its_requests_the_other_serves_on_and_it_is_restar
     (("--devices", "cpu:0,cuda:0"), "cuda:0: the engine failed to start"),
 ])
 def test_bad_devices_are_one_line_errors(chat_bundle: Path, args: tuple[str, ...], message: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(chat_bundle), "--port", "0", *args],
-                         capture_output=True, text=True, timeout=120)
+    out = serve_refused(chat_bundle, *args)
     assert out.returncode in (1, 2), out.stderr
     errors = [line for line in out.stderr.splitlines() if message in line]
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr

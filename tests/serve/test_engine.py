@@ -6,7 +6,6 @@ each request must receive."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,19 +18,6 @@ from zlc.runtime.serve.protocol import EngineError, RequestFlag, ResultFlag
 from zlc.runtime.serve.rings import Request, RingRegion
 
 PROMPTS = [[257, 117, 10, 104, 105, 258, 10], [72, 101, 108, 108, 111], [1, 2, 3], [200, 100, 50, 25]]
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
-
-
-@pytest.fixture(scope="module")
-def session(bundle: Any) -> Any:
-    with bundle.session("reference") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

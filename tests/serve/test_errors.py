@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from http_wire import PATHS, USER, Wire, check_error, exchange, good, http_request, post, without
+from serve_helpers import sdk_clients
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -36,11 +37,6 @@ def assert_serving(server: Any, **headers: str) -> None:
     assert r.status == 200, r.body
     m = r.json()
     assert m["type"] == "message" and m["usage"]["output_tokens"] == 2
-
-
-def sdk_clients(server: Any, key: str = "k") -> tuple[Any, Any]:
-    return (anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0, timeout=TIMEOUT_S),
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,7 +84,7 @@ def test_bad_messages(server: Any, api: str, messages: list[Any]) -> None:
 
 
 def test_unknown_model(server: Any) -> None:
-    a, o = sdk_clients(server)
+    a, o = sdk_clients(server, timeout=TIMEOUT_S)
     with pytest.raises(anthropic.NotFoundError) as ea:
         a.messages.create(model="claude-nope", max_tokens=2, messages=USER)
     assert ea.value.status_code == 404
@@ -102,7 +98,7 @@ def test_unknown_model(server: Any) -> None:
 
 
 def test_unknown_extra_field_is_named(server: Any) -> None:
-    a, o = sdk_clients(server)
+    a, o = sdk_clients(server, timeout=TIMEOUT_S)
     with pytest.raises(anthropic.BadRequestError) as ea:
         a.messages.create(model=MODEL, max_tokens=2, messages=USER, extra_body={"frobnicate": 1})
     assert ea.value.status_code == 400
@@ -124,7 +120,7 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "get_time", "parameters"
     ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
 ])
 def test_refused_feature_anthropic(server: Any, field: str, kwargs: dict[str, Any]) -> None:
-    a, _ = sdk_clients(server)
+    a, _ = sdk_clients(server, timeout=TIMEOUT_S)
     with pytest.raises(anthropic.BadRequestError) as e:
         a.messages.create(model=MODEL, max_tokens=2, messages=USER, **kwargs)
     assert e.value.status_code == 400
@@ -135,7 +131,7 @@ def test_refused_feature_anthropic(server: Any, field: str, kwargs: dict[str, An
 @pytest.mark.parametrize(("field", "kwargs"), [("tools", {"tools": [OPENAI_TOOL]}),
                                                ("logit_bias", {"logit_bias": {"5": 1}})])
 def test_refused_feature_openai(server: Any, field: str, kwargs: dict[str, Any]) -> None:
-    _, o = sdk_clients(server)
+    _, o = sdk_clients(server, timeout=TIMEOUT_S)
     with pytest.raises(openai.BadRequestError) as e:
         o.chat.completions.create(model=MODEL, max_tokens=2, messages=USER,  # type: ignore[arg-type]
                                   **kwargs)
@@ -144,7 +140,7 @@ def test_refused_feature_openai(server: Any, field: str, kwargs: dict[str, Any])
 
 
 def test_prompt_over_the_context(server: Any) -> None:
-    a, o = sdk_clients(server)
+    a, o = sdk_clients(server, timeout=TIMEOUT_S)
     long = [{"role": "user", "content": "x" * (2 * MAX_SEQ)}]  # byte-level: ~1 token per character
     with pytest.raises(anthropic.BadRequestError) as ea:
         a.messages.create(model=MODEL, max_tokens=2, messages=long)  # type: ignore[arg-type]
@@ -338,7 +334,7 @@ def test_pipelined_garbage_after_a_good_request(server: Any) -> None:
 
 
 def test_bad_requests_do_not_disturb_a_concurrent_stream(server: Any) -> None:
-    a, _ = sdk_clients(server)
+    a, _ = sdk_clients(server, timeout=TIMEOUT_S)
     want = a.messages.create(model=MODEL, max_tokens=24, messages=USER).content[0].text
     bad = [post("anthropic", b"{bad"), post("openai", good(messages="x")),
            post("anthropic", good(model="nope")), b"\x16\x03\x01garbage\r\n\r\n",
@@ -400,7 +396,7 @@ def test_oversize_body_413(start_server: Any) -> None:
 def test_api_key(start_server: Any) -> None:
     s = start_server("--device", "reference", "--api-key", "secret")
     for key in ("wrong", "secret2"):
-        a, o = sdk_clients(s, key=key)
+        a, o = sdk_clients(s, key=key, timeout=TIMEOUT_S)
         with pytest.raises(anthropic.AuthenticationError) as ea:  # the SDK sends x-api-key
             a.messages.create(model=MODEL, max_tokens=2, messages=USER)
         assert ea.value.status_code == 401
@@ -422,7 +418,7 @@ def test_api_key(start_server: Any) -> None:
     r = exchange(s, http_request("GET", "/health"))
     assert r.status == 200 and r.json()["status"] == "ok"
     # the right key works, both ways of sending it
-    a, o = sdk_clients(s, key="secret")
+    a, o = sdk_clients(s, key="secret", timeout=TIMEOUT_S)
     assert a.messages.create(model=MODEL, max_tokens=2, messages=USER).usage.output_tokens == 2
     c = o.chat.completions.create(model=MODEL, max_tokens=2, messages=USER)  # type: ignore[arg-type]
     assert c.usage is not None and c.usage.completion_tokens == 2

@@ -14,7 +14,6 @@ import struct
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,13 +32,6 @@ PROMPT = [72, 101, 108, 108, 111]
 EOS_PROMPT = [256]
 
 Greedy = Callable[[list[int], int], list[int]]
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ Every wait is bounded by a socket timeout, so a hang fails the test instead of h
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_helpers import closed_within, get, metric
+from serve_helpers import closed_within, get, metric, serve_refused
 
 from zlc.runtime.serve import frame_auth, frames
 from zlc.runtime.serve.frames import FrameErrorCode, FrameFlag, ResultFrame
@@ -248,8 +246,7 @@ def test_metrics_needs_the_key(keyed: Any) -> None:
                                   ["--xdp", "lo", "--udp-port", "0"]], ids=["tcp", "udp", "xdp"])
 def test_frame_ports_beyond_loopback_need_a_key(chat_bundle: Path, args: list[str]) -> None:
     """Refused before anything listens: one error line, exit 1."""
-    out = subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(chat_bundle), "--device", "reference",
-                          "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    out = serve_refused(chat_bundle, "--device", "reference", *args)
     assert out.returncode == 1, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "without --api-key" in errors[0] and "--insecure-frames" in errors[0], out.stderr

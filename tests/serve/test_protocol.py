@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from http_wire import MODEL, PATHS, Wire, check_error, exchange, good, http_request, post
+from serve_helpers import anthropic_client, openai_client
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -104,7 +105,7 @@ def test_plain_chunked_still_works(server: Any) -> None:
 
 
 def test_top_p_0_is_greedy(server: Any) -> None:
-    a = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0, timeout=30)
+    a = anthropic_client(server, timeout=30)
     greedy = a.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     m = a.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
                           extra_body={"temperature": 1, "top_p": 0})  # (not arguments of the 2.x SDK)
@@ -122,7 +123,7 @@ def test_openai_seeds(server: Any, seed: int, status: int) -> None:
 
 
 def test_openai_negative_seed_is_a_seed(server: Any) -> None:
-    o = openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0, timeout=30)
+    o = openai_client(server, timeout=30)
 
     def text(seed: int) -> str:
         c = o.chat.completions.create(model=MODEL, max_tokens=8, seed=seed, temperature=1,

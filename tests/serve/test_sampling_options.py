@@ -7,7 +7,6 @@ log-softmax of those logits at the chosen tokens (1e-4)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,19 +20,6 @@ from zlc.runtime.serve.rings import Request
 from zlc.runtime.serve.scheduler import Scheduler
 
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
-
-
-@pytest.fixture(scope="module")
-def session(bundle: Any) -> Any:
-    with bundle.session("reference") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

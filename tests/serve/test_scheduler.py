@@ -5,7 +5,6 @@ it was preempted; cancelled requests free their pages at once; all pages come ba
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,13 +17,6 @@ from zlc.runtime.serve.rings import Request
 from zlc.runtime.serve.scheduler import Scheduler
 
 MAX_NEW = 8
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
 
 
 @pytest.fixture(scope="module")

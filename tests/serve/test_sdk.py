@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serve_helpers import sdk_clients, serve_refused
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -28,11 +29,6 @@ def zlc_run(bundle: Path, prompt: str, n: int, device: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-def clients(server: Any, key: str = "test-key") -> tuple[Any, Any]:
-    return (anthropic.Anthropic(base_url=server.base_url, api_key=key, max_retries=0, timeout=60),
-            openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0, timeout=60))
-
-
 @pytest.fixture(scope="module")
 def reference(chat_bundle: Path) -> dict[str, Any]:
     """`zlc run`'s greedy reply on the server's executor (16 tokens)."""
@@ -44,7 +40,7 @@ def msgs(text: str = PROMPT) -> list[dict[str, str]]:
 
 
 def test_anthropic_non_streaming_equals_zlc_run(server: Any, reference: dict[str, Any]) -> None:
-    a, _ = clients(server)
+    a, _ = sdk_clients(server)
     m = a.messages.create(model=MODEL, max_tokens=16, messages=msgs())
     assert m.content[0].text == reference["text"]
     assert m.model == MODEL and m.role == "assistant" and m.type == "message"
@@ -54,7 +50,7 @@ def test_anthropic_non_streaming_equals_zlc_run(server: Any, reference: dict[str
 
 
 def test_anthropic_streaming_equals_zlc_run(server: Any, reference: dict[str, Any]) -> None:
-    a, _ = clients(server)
+    a, _ = sdk_clients(server)
     with a.messages.stream(model=MODEL, max_tokens=16, messages=msgs()) as s:
         pieces = list(s.text_stream)
         final = s.get_final_message()
@@ -83,7 +79,7 @@ def test_anthropic_raw_event_order(server: Any) -> None:
 
 
 def test_openai_non_streaming_equals_zlc_run(server: Any, reference: dict[str, Any]) -> None:
-    _, o = clients(server)
+    _, o = sdk_clients(server)
     r = o.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=msgs())
     assert r.choices[0].message.content == reference["text"]
     assert r.choices[0].finish_reason == ("stop" if len(reference["generated"]) < 16 else "length")
@@ -94,7 +90,7 @@ def test_openai_non_streaming_equals_zlc_run(server: Any, reference: dict[str, A
 
 
 def test_openai_streaming_with_usage_equals_zlc_run(server: Any, reference: dict[str, Any]) -> None:
-    _, o = clients(server)
+    _, o = sdk_clients(server)
     chunks = list(o.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=msgs(),
                                             stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -107,7 +103,7 @@ def test_openai_streaming_with_usage_equals_zlc_run(server: Any, reference: dict
 
 
 def test_max_tokens_one(server: Any, reference: dict[str, Any]) -> None:
-    a, o = clients(server)
+    a, o = sdk_clients(server)
     first = reference["generated"][0]
     m = a.messages.create(model=MODEL, max_tokens=1, messages=msgs())
     assert m.usage.output_tokens == 1
@@ -130,7 +126,7 @@ def _printable_stop(text: str) -> tuple[str, str]:
 
 def test_stop_sequences(server: Any, reference: dict[str, Any]) -> None:
     stop, before = _printable_stop(reference["text"])
-    a, o = clients(server)
+    a, o = sdk_clients(server)
     m = a.messages.create(model=MODEL, max_tokens=16, messages=msgs(), stop_sequences=[stop, "never-seen"])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == before
@@ -150,7 +146,7 @@ def test_system_prompt_and_prefill(server: Any, chat_bundle: Path) -> None:
 
     b = zlc.load(chat_bundle)
     tok = b.tokenizer
-    a, o = clients(server)
+    a, o = sdk_clients(server)
     sys_ids = tok.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}])
     expect = tok.decode(b.generate(sys_ids, 6, device="reference", eos=b.eos_token_ids))
     m = a.messages.create(model=MODEL, max_tokens=6, system="Be brief.", messages=msgs())
@@ -167,7 +163,7 @@ def test_system_prompt_and_prefill(server: Any, chat_bundle: Path) -> None:
 
 
 def test_models_health_metrics_headers(server: Any) -> None:
-    a, o = clients(server)
+    a, o = sdk_clients(server)
     assert [m.id for m in o.models.list()] == [MODEL]
     assert [m.id for m in a.models.list()] == [MODEL]
     raw = a.messages.with_raw_response.create(model=MODEL, max_tokens=2, messages=msgs())
@@ -191,7 +187,7 @@ def test_models_health_metrics_headers(server: Any) -> None:
 def test_api_key(start_server: Any) -> None:
     s = start_server("--device", "reference", "--api-key", "s3cret")
     for key, ok in (("wrong", False), ("s3cret", True)):
-        a, o = clients(s, key)
+        a, o = sdk_clients(s, key)
         if ok:
             assert a.messages.create(model=MODEL, max_tokens=1, messages=msgs()).usage.output_tokens == 1
             assert o.chat.completions.create(model=MODEL, max_tokens=1, messages=msgs()).choices
@@ -213,7 +209,7 @@ def test_interpreter_executor_equals_zlc_run(start_server: Any, chat_bundle: Pat
     """The megakernel itself (Triton interpreter) behind the API: the same text as `zlc run`."""
     expect = zlc_run(chat_bundle, PROMPT, 4, "cpu")
     s = start_server("--device", "cpu")
-    a, o = clients(s)
+    a, o = sdk_clients(s)
     with a.messages.stream(model=MODEL, max_tokens=4, messages=msgs()) as st:
         assert "".join(st.text_stream) == expect["text"]
     r = o.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=msgs())
@@ -241,7 +237,7 @@ def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
     assert raw.recv(65536).startswith(b"HTTP/1.1 200")  # the first token's events are out
     raw.close()
     t0 = time.monotonic()
-    a, _ = clients(s)
+    a, _ = sdk_clients(s)
     assert a.messages.create(model=MODEL, max_tokens=1, messages=msgs()).usage.output_tokens == 1
     waited = time.monotonic() - t0
     assert waited < 15, f"the next request waited {waited:.1f} s: the first one was not cancelled"
@@ -257,8 +253,7 @@ def test_client_disconnect_frees_the_engine(start_server: Any) -> None:
      "no such network interface" if os.geteuid() == 0 else "--xdp needs root"),
 ])
 def test_xdp_option_errors_are_one_line(chat_bundle: Path, args: tuple[str, ...], message: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "zlc.cli", "serve", str(chat_bundle), "--device", "reference",
-                          "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    out = serve_refused(chat_bundle, "--device", "reference", *args)
     assert out.returncode == 1, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr

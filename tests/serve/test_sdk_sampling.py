@@ -7,35 +7,17 @@ token_logprobs[ctxlen:-1], greedy when each is its top alternative)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from serve_helpers import metric
+from serve_helpers import anthropic_client, metric, openai_client
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
 MODEL = "llama-chat"
 USER = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def bundle(chat_bundle: Path) -> Any:
-    import zlc
-
-    return zlc.load(chat_bundle)
-
-
-@pytest.fixture(scope="module")
-def session(bundle: Any) -> Any:
-    with bundle.session("reference") as s:
-        yield s
-
-
-def client(server: Any) -> Any:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="k", max_retries=0, timeout=120)
 
 
 def log_softmax_rows(session: Any, ids: list[int]) -> np.ndarray:
@@ -60,8 +42,8 @@ def test_chat_logprobs_equal_the_reference_log_softmax(server: Any, bundle: Any,
     prompt = bundle.tokenizer.encode_chat(USER)
     gen = [t for t in greedy(session, bundle, prompt, 6) if t not in bundle.eos_token_ids]
     ref = log_softmax_rows(session, prompt + gen)[len(prompt) - 1:]
-    r = client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0,
-                                               logprobs=True, top_logprobs=3)
+    r = openai_client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0,
+                                                      logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert [c.token for c in content] == [text_of(bundle, t) for t in gen]
     for k, (c, tok) in enumerate(zip(content, gen, strict=True)):
@@ -72,21 +54,21 @@ def test_chat_logprobs_equal_the_reference_log_softmax(server: Any, bundle: Any,
         assert [a.logprob for a in c.top_logprobs] == pytest.approx([ref[k, j] for j in order], abs=1e-4)
         assert c.top_logprobs[0].logprob == c.logprob  # greedy: the chosen token is the most likely
     # streaming: the same entries, spread over the chunks
-    with client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0,
-                                                logprobs=True, top_logprobs=3, stream=True) as s:
+    with openai_client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0,
+                                                       logprobs=True, top_logprobs=3, stream=True) as s:
         streamed = [e for ch in s if ch.choices and ch.choices[0].logprobs
                     for e in (ch.choices[0].logprobs.content or [])]
     assert [e.token for e in streamed] == [c.token for c in content]
     # (the second request may find the prompt in a cached slot: logits to rounding, not bit for bit)
     assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
     # logprobs without alternatives
-    r = client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=3, temperature=0,
-                                               logprobs=True)
+    r = openai_client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=3, temperature=0,
+                                                      logprobs=True)
     assert [c.top_logprobs for c in r.choices[0].logprobs.content] == [[]] * len(r.choices[0].logprobs.content)
 
 
 def test_n_choices_equal_their_seeds_sent_one_by_one(server: Any) -> None:
-    o = client(server)
+    o = openai_client(server)
     kw: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 8, "temperature": 1.3}
     r = o.chat.completions.create(n=3, seed=41, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -105,7 +87,7 @@ def test_n_choices_equal_their_seeds_sent_one_by_one(server: Any) -> None:
 
 
 def test_penalties_and_top_k_through_the_sdks(server: Any, bundle: Any, session: Any) -> None:
-    o = client(server)
+    o = openai_client(server)
     prompt = bundle.tokenizer.encode_chat(USER)
     r = o.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0, frequency_penalty=1.5,
                                   presence_penalty=0.5, logprobs=True)
@@ -124,7 +106,7 @@ def test_penalties_and_top_k_through_the_sdks(server: Any, bundle: Any, session:
     hot = o.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=1.5, seed=3,
                                     extra_body={"top_k": 1})
     assert hot.choices[0].message.content == plain.choices[0].message.content
-    a = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0, timeout=120)
+    a = anthropic_client(server)
     # (today's Anthropic SDK has no sampling arguments: they go as extra body fields)
     m = a.messages.create(model=MODEL, max_tokens=6, messages=USER,  # type: ignore[arg-type]
                           extra_body={"temperature": 1.0, "top_k": 1})
@@ -138,25 +120,25 @@ def test_penalties_and_top_k_through_the_sdks(server: Any, bundle: Any, session:
 def test_bad_sampling_options_are_one_400_naming_the_field(server: Any, field: str, body: dict[str, Any]) -> None:
     before = metric(server, "zlc_prompt_tokens_total")
     with pytest.raises(openai.BadRequestError) as e:
-        client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=2,  # type: ignore[arg-type]
-                                               extra_body=body)
+        openai_client(server).chat.completions.create(model=MODEL, messages=USER, max_tokens=2,  # type: ignore[arg-type]
+                                                      extra_body=body)
     assert e.value.status_code == 400 and e.value.param == field and field in e.value.message
-    a = anthropic.Anthropic(base_url=server.base_url, api_key="k", max_retries=0)
+    a = anthropic_client(server)
     with pytest.raises(anthropic.BadRequestError) as ea:
         a.messages.create(model=MODEL, max_tokens=2, messages=USER, extra_body={"top_k": -1})  # type: ignore[arg-type]
     assert "top_k" in ea.value.body["error"]["message"]
     with pytest.raises(openai.BadRequestError) as ec:
-        client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
+        openai_client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
     assert ec.value.param == "logprobs"
     for prompt in ([1, 10**6], ["a", "b"], [], [[1], [2]]):
         with pytest.raises(openai.BadRequestError) as ec:
-            client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
+            openai_client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
         assert ec.value.param == "prompt" and "prompt" in ec.value.message
     assert metric(server, "zlc_prompt_tokens_total") == before  # nothing reached the engine
 
 
 def test_completions_text_stream_stop_and_token_ids(server: Any, bundle: Any, session: Any) -> None:
-    o = client(server)
+    o = openai_client(server)
     prompt = "Once upon a time"
     ids = bundle.tokenizer.encode(prompt)
     gen = [t for t in greedy(session, bundle, ids, 8) if t not in bundle.eos_token_ids]
@@ -221,8 +203,8 @@ def test_lm_eval_loglikelihood_request_replayed(server: Any, bundle: Any, sessio
     assert total == pytest.approx(want, abs=1e-3)
     assert is_greedy == all(int(np.argmax(ref[i - 1])) == full[i] for i in range(len(context), len(full)))
     # the same through the SDK's completions client, streaming: the echoed prompt's logprobs come first
-    chunks = list(client(server).completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
-                                                    logprobs=1, echo=True, stream=True))
+    chunks = list(openai_client(server).completions.create(model=MODEL, prompt=full, max_tokens=1, temperature=0,
+                                                           logprobs=1, echo=True, stream=True))
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
                 for x in c.choices[0].logprobs.token_logprobs or []]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
@@ -232,7 +214,7 @@ def test_n_choices_share_the_prompts_pages(start_server: Any) -> None:
     """On the native batched kernel (paged KV, prefix cache): choices 1.. n - 1 find the prompt's
     full pages that choice 0 computed, so the prompt is prefilled once."""
     s = start_server("--device", "cpu")
-    o = client(s)
+    o = openai_client(s)
     words = " ".join(f"w{i}" for i in range(30))
     msgs = [{"role": "user", "content": words}]
     before = metric(s, "zlc_engine_prefix_tokens")
