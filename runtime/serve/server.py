@@ -9,7 +9,7 @@ no middleware, no thread hop) sits between the socket and the ring.
 
 This module is the server's life and its routes: start-up (refusing unprotected frame ports),
 each request's API object (api_of: picked once, asked by everything after), /health, /metrics,
-/v1/models, and the graceful drain on SIGTERM. The generation path is generate.py, binary frames
+/v1/models, the chat page at / (chat.html, package data), and the graceful drain on SIGTERM. The generation path is generate.py, binary frames
 frame_ingress.py, the engine's supervision supervisor.py.
 
 Drain (SIGTERM/SIGINT): the listening sockets close (new connections are refused), /health and new
@@ -57,6 +57,19 @@ APIS: tuple[Api, ...] = (ANTHROPIC, OPENAI, COMPLETIONS)
 # The generation paths, each in its own API; any other path answers in the API its headers name.
 GENERATION: dict[bytes, Api] = {b"/v1/messages": ANTHROPIC, b"/v1/chat/completions": OPENAI,
                                 b"/v1/completions": COMPLETIONS}
+# The chat page's own scripts and styles are inline; it may talk to this server only (no CDN, no
+# third-party script even if model text ever reached the DOM as markup).
+PAGE_HEADERS = (b"content-security-policy: default-src 'none'; script-src 'unsafe-inline'; "
+                b"style-src 'unsafe-inline'; connect-src 'self'; base-uri 'none'; form-action 'none'\r\n"
+                b"x-content-type-options: nosniff\r\ncache-control: no-cache\r\n")
+
+
+@functools.cache
+def chat_page() -> bytes:
+    """The chat page (GET /): read once from the package."""
+    from importlib.resources import files
+
+    return files(__package__).joinpath("chat.html").read_bytes()
 
 
 def api_of(req: HttpRequest) -> Api:
@@ -335,6 +348,8 @@ class Server:
         path, method = req.path, req.method
         if path == b"/health":
             return self._health(conn)
+        if path == b"/" and method == b"GET":  # no key needed: the page asks for one if /v1/models does
+            return conn.respond(200, chat_page(), b"text/html; charset=utf-8", PAGE_HEADERS)
         if path == b"/metrics":
             if not self.options.metrics_public and not self.authorized(req):
                 return error_response(conn, api, ApiError("authentication_error", "/metrics needs the API key "
