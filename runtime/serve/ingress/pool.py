@@ -18,10 +18,10 @@ from typing import Any
 from zlc.errors import ZlcError
 from zlc.runtime.kv_manager import DEFAULT_PAGE_SIZE
 
+from ..protocol import EngineError, ResultFlag
+from ..rings import Request
 from .devices import Device
 from .engine_client import ResultHandler
-from .protocol import EngineError, ResultFlag
-from .rings import Request
 from .router import HOWS, Load, PrefixRouter, page_keys
 from .supervisor import EngineSupervisor
 

@@ -31,9 +31,9 @@ from typing import Protocol
 
 from zlc.errors import ZlcError
 
-from .engine_stats import EngineStats
-from .protocol import RequestFlag, ResultFlag
-from .rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
+from ..engine_stats import EngineStats
+from ..protocol import RequestFlag, ResultFlag
+from ..rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
 
 PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
 
@@ -87,7 +87,7 @@ class EngineClient:
     def start(self, timeout_s: float = 600.0) -> None:
         """Starts the engine and waits until it has loaded the bundle (blocking: run it off the loop)."""
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "zlc.runtime.serve.engine", self.bundle, "--device", self.device,
+        cmd = [sys.executable, "-m", "zlc.runtime.serve.engine.loop", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
                "--spin-us", str(self.spin_us), "--threads", str(self.threads), "--max-batch", str(self.max_batch),

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from zlc.errors import ZlcError
 
+from ..protocol import EngineError
+from ..rings import Request
 from .engine_client import EngineClient, ResultHandler
-from .protocol import EngineError
-from .rings import Request
 
 # Seconds one engine step (a prefill or a token) may take before the engine counts as hung: a GPU
 # step that takes half a minute is stuck; on CPU cores a big model's long prefill can take minutes,
