@@ -1,4 +1,4 @@
-"""Host cost per token of the per-row sampling options (runtime/serve/sampling.py) against the plain
+"""Host cost per token of the per-row sampling options (runtime/serve/engine/sampling.py) against the plain
 path the scheduler keeps for rows without them, measured in the same run: greedy (np.argmax) and
 seeded temperature/top_p sampling (zlc.reference.sampling.sample), on one row of logits of
 SmolLM2's vocabulary (49,152; standard-normal values: the cost does not depend on them).
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from zlc.reference.sampling import sample
-from zlc.runtime.serve.sampling import RowSampler
+from zlc.runtime.serve.engine.sampling import RowSampler
 
 
 def per_token_us(fn: Callable[[], object], n: int, repeat: int) -> float:

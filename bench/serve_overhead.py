@@ -234,7 +234,7 @@ def run_echo(host: str, port: int) -> None:
 
     import uvloop
 
-    from zlc.runtime.serve import frames
+    from zlc.runtime.serve.ingress import frames
 
     class Echo(asyncio.Protocol):
         def connection_made(self, transport: Any) -> None:
@@ -404,7 +404,7 @@ class FrameClient:
     ns from the send to the first result frame (and to the LAST one)."""
 
     def __init__(self, host: str, port: int, udp: bool, tokens: list[int]):
-        from zlc.runtime.serve import frames
+        from zlc.runtime.serve.ingress import frames
 
         self.frames = frames
         self.udp = udp

@@ -36,7 +36,7 @@ SERVER_IP, CLIENT_IP, PORT = "10.202.0.1", "10.202.0.2", 9100
 
 CLIENT_CODE = r"""
 import json, socket, sys, time
-from zlc.runtime.serve import frames
+from zlc.runtime.serve.ingress import frames
 n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect((host, port)); s.settimeout(5)
 out = []
@@ -53,7 +53,7 @@ print(json.dumps(out))
 
 BURST_CODE = r"""
 import json, socket, sys, time
-from zlc.runtime.serve import frames
+from zlc.runtime.serve.ingress import frames
 n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
 s.connect((host, port)); s.settimeout(0.5)

@@ -11,7 +11,7 @@ value into its launch (runtime/batch.py); after the launch `commit` records what
 (lengths, tokens, the full pages keyed for the prefix cache), or `abort` hands the step's new
 pages back when the launch failed.
 
-The router of several engines (runtime/serve/router.py) keys prompts with `page_keys` and the
+The router of several engines (runtime/serve/ingress/router.py) keys prompts with `page_keys` and the
 page size from here too, so its affinity and the engines' caches speak of the same pages.
 """
 

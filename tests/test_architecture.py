@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # folder -> package, as pyproject's package-dir maps them (longest prefix first)
-FOLDERS = [("runtime/serve", "zlc.runtime.serve"), ("runtime", "zlc.runtime"), ("codegen", "zlc.codegen"),
+FOLDERS = [("runtime/serve/engine", "zlc.runtime.serve.engine"),
+           ("runtime/serve/ingress", "zlc.runtime.serve.ingress"), ("runtime/serve", "zlc.runtime.serve"), ("runtime", "zlc.runtime"), ("codegen", "zlc.codegen"),
            ("passes", "zlc.passes"), ("compiler", "zlc")]
 
 # Layers, bottom up. A module may import its own package (and subpackages listed under it) and
@@ -34,8 +35,12 @@ LAYERS: list[list[str]] = [
     ["zlc.codegen", "zlc.runtime", "zlc.deploy"],
     # the verifier says whether a model fits the megakernel (runs codegen's scheduler check); the
     # kernel model reads back what codegen wrote (cubins, tables) and needs its toolchain lookup
-    ["zlc.verifier", "zlc.kernelmodel"],
-    ["zlc.build", "zlc.runtime.serve"],
+    # the serving wire (zlc.runtime.serve: protocol, rings, engine_stats): what both serving
+    # processes share, below both
+    ["zlc.verifier", "zlc.kernelmodel", "zlc.runtime.serve"],
+    # the serving wings, one per process: the engine process's and the ingress's (zlc serve's own);
+    # on one layer, so neither imports the other
+    ["zlc.build", "zlc.runtime.serve.engine", "zlc.runtime.serve.ingress"],
     ["zlc.cli"],
     ["zlc"],  # the public face (lazy: it names the modules it loads on first use)
 ]
@@ -124,6 +129,25 @@ def test_named_directions(lower: str, upper: str) -> None:
             if group(src) == lower and (dst == upper or dst.startswith(upper + "."))
             and not (upper == "zlc.runtime" and dst.startswith("zlc.runtime.serve") and lower == "zlc.runtime")]
     assert not hits, hits
+
+
+WIRE = "zlc.runtime.serve"
+WINGS = ("zlc.runtime.serve.engine", "zlc.runtime.serve.ingress")
+
+
+@pytest.mark.parametrize("src,dst", [(WINGS[0], WINGS[1]), (WINGS[1], WINGS[0]), (WIRE, WINGS[0]), (WIRE, WINGS[1])])
+def test_serving_wings_meet_only_at_the_wire(src: str, dst: str) -> None:
+    """The engine process's modules and the ingress's never import each other; the wire they share
+    (protocol, rings, engine_stats) imports neither (the layer test implies it; spelled out)."""
+    hits = [f"{s}:{line} -> {d}" for s, d, line, _ in edges()
+            if group(s) == src and (d == dst or d.startswith(dst + "."))]
+    assert not hits, hits
+
+
+def test_the_wire_is_what_both_wings_import() -> None:
+    """Each wing does import the wire (the table above is not vacuous)."""
+    for wing in WINGS:
+        assert any(group(s) == wing and group(d) == WIRE for s, d, _, _ in edges()), wing
 
 
 def test_no_import_circles() -> None:

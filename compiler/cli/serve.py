@@ -100,11 +100,11 @@ def serve(bundle: Path, host: str, port: int, api_key: str | None, model_name: s
     Runs until Ctrl-C / SIGTERM, then drains (--drain-timeout). The engine (one process owning the
     executor) and this ingress talk through shared-memory rings; an engine that exits or hangs is
     restarted (docs/serving.md). With --api-key, frames authenticate too (docs/frames.md)."""
-    from zlc.runtime.serve.devices import parse_devices
-    from zlc.runtime.serve.http import HttpLimits
-    from zlc.runtime.serve.server import ServeOptions
-    from zlc.runtime.serve.server import run as run_server
-    from zlc.runtime.serve.supervisor import RestartPolicy
+    from zlc.runtime.serve.ingress.devices import parse_devices
+    from zlc.runtime.serve.ingress.http import HttpLimits
+    from zlc.runtime.serve.ingress.server import ServeOptions
+    from zlc.runtime.serve.ingress.server import run as run_server
+    from zlc.runtime.serve.ingress.supervisor import RestartPolicy
 
     if devices is not None:
         if click.get_current_context().get_parameter_source("device") != click.core.ParameterSource.DEFAULT:

@@ -2,7 +2,7 @@
 build into a BTF-carrying BPF object with `clang -target bpf`, for a bundle's deploy/ebpf/.
 
 The object is built where clang is (compile or `zlc deploy build` time); serving hosts only load it
-(runtime/serve/xdp.py). Without clang the source is still written and the reason is reported: nothing
+(runtime/serve/ingress/xdp.py). Without clang the source is still written and the reason is reported: nothing
 pretends an object exists.
 """
 

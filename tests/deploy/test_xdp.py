@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from zlc.runtime.serve import frames
+from zlc.runtime.serve.ingress import frames
 
 CLIENT = Path(__file__).with_name("xdp_client.py")
 SERVER_IP, CLIENT_IP, PORT = "10.201.0.1", "10.201.0.2", 9000

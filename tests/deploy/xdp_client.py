@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-from zlc.runtime.serve import frames
+from zlc.runtime.serve.ingress import frames
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import anthropic
 import openai
 
-from zlc.runtime.serve import frames
+from zlc.runtime.serve.ingress import frames
 
 MODEL = "llama-chat"
 TIMEOUT_S = 60.0

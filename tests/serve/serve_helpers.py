@@ -39,7 +39,7 @@ def engine_pid(server: Any) -> int:
                 cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             except FileNotFoundError:
                 continue
-            if b"zlc.runtime.serve.engine" in cmdline:
+            if b"zlc.runtime.serve.engine.loop" in cmdline:
                 return int(pid)
     raise AssertionError("the server has no engine process")
 

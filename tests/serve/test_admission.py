@@ -152,7 +152,7 @@ def test_the_request_ring_holds_the_capacity(max_batch: int, max_queue: int, max
     """The real ring of an EngineClient (shared memory, no engine started) takes its whole
     capacity of requests with the longest prompt, a CANCEL for each and a PING, with nothing
     popped: it can never be what refuses a request below the capacity."""
-    from zlc.runtime.serve.engine_client import PING_ID, EngineClient
+    from zlc.runtime.serve.ingress.engine_client import PING_ID, EngineClient
     from zlc.runtime.serve.protocol import RequestFlag
     from zlc.runtime.serve.rings import Request
 

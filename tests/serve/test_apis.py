@@ -15,11 +15,11 @@ import pytest
 from http_wire import Wire, exchange, good, post
 from serve_helpers import engine_pid, health, metric, wait_for
 
-from zlc.runtime.serve.api_anthropic import ANTHROPIC
-from zlc.runtime.serve.api_common import ApiError, GenerationSpec, Outcome
-from zlc.runtime.serve.api_openai import OPENAI
-from zlc.runtime.serve.http import HttpRequest
-from zlc.runtime.serve.server import api_of
+from zlc.runtime.serve.ingress.api_anthropic import ANTHROPIC
+from zlc.runtime.serve.ingress.api_common import ApiError, GenerationSpec, Outcome
+from zlc.runtime.serve.ingress.api_openai import OPENAI
+from zlc.runtime.serve.ingress.http import HttpRequest
+from zlc.runtime.serve.ingress.server import api_of
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from serve_helpers import get, metric, process_state, serve_refused, wait_for
 
-from zlc.runtime.serve.router import PAGES_PER_EXTRA_REQUEST
+from zlc.runtime.serve.ingress.router import PAGES_PER_EXTRA_REQUEST
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two engines need two cores")
 
@@ -74,7 +74,7 @@ def engine_pids(server: Any) -> dict[int, int]:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             except FileNotFoundError:
                 continue
-            if "zlc.runtime.serve.engine" in argv and "--cpus" in argv:
+            if "zlc.runtime.serve.engine.loop" in argv and "--cpus" in argv:
                 out[int(argv[argv.index("--cpus") + 1])] = int(pid)
     return out
 
@@ -130,7 +130,7 @@ def _samples(server: Any, name: str) -> list[Any]:
 def test_tcp_frames_are_routed_over_both_engines(two: Any, bundle: Any) -> None:
     """Four frame requests in one packet: submitted one after another, each to the least loaded
     (prompts under a page: no affinity), so they alternate; each gets its greedy tokens."""
-    from zlc.runtime.serve import frames
+    from zlc.runtime.serve.ingress import frames
 
     prompts = {i: [(31 * i + 7 * k) % 250 + 3 for k in range(9)] for i in range(1, 5)}
     before = [routed(two, e, "least_loaded") for e in (0, 1)]

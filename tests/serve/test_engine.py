@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zlc.runtime.batch import SequentialBatch
-from zlc.runtime.serve.engine import Engine
+from zlc.runtime.serve.engine.loop import Engine
 from zlc.runtime.serve.protocol import EngineError, RequestFlag, ResultFlag
 from zlc.runtime.serve.rings import Request, RingRegion
 

@@ -128,7 +128,7 @@ def mixed_clients(server: Any, n: int, max_tokens: int) -> list[Client]:
 
 def assert_api_errors(clients: list[Client]) -> None:
     """Each error is the API's own: a 503 with api_error, an error event, or an UNAVAILABLE frame."""
-    from zlc.runtime.serve.frames import FrameErrorCode
+    from zlc.runtime.serve.ingress.frames import FrameErrorCode
 
     for c in clients:
         if c.kind != "error":

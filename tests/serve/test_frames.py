@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from serve_helpers import closed_within
 
-from zlc.runtime.serve import frames
-from zlc.runtime.serve.frames import FrameErrorCode, FrameFlag, ResultFrame
+from zlc.runtime.serve.ingress import frames
+from zlc.runtime.serve.ingress.frames import FrameErrorCode, FrameFlag, ResultFrame
 
 MAX_SEQ = 128  # the chat bundle's context (conftest compiles it with max_seq=128)
 FRAME_TIMEOUT_S = 5.0  # ServeOptions.frame_timeout_s (no CLI flag: the default)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from serve_helpers import closed_within, get, metric, serve_refused
 
-from zlc.runtime.serve import frame_auth, frames
-from zlc.runtime.serve.frames import FrameErrorCode, FrameFlag, ResultFrame
+from zlc.runtime.serve.ingress import frame_auth, frames
+from zlc.runtime.serve.ingress.frames import FrameErrorCode, FrameFlag, ResultFrame
 
 KEY = "frame-secret"
 K = KEY.encode()
@@ -254,7 +254,7 @@ def test_frame_ports_beyond_loopback_need_a_key(chat_bundle: Path, args: list[st
 
 
 def test_insecure_frames_and_a_key_each_allow_them(chat_bundle: Path) -> None:
-    from zlc.runtime.serve.server import ServeOptions, Server
+    from zlc.runtime.serve.ingress.server import ServeOptions, Server
 
     for opts in (ServeOptions(host="0.0.0.0", frame_port=0, insecure_frames=True),
                  ServeOptions(host="0.0.0.0", udp_port=0, api_key="k"),

@@ -152,8 +152,8 @@ def test_big_prompts_are_tokenized_off_the_loop(chat_bundle: Path) -> None:
     """The encoder hands a prompt over 64 KiB to a thread that runs without the GIL: the loop keeps
     turning meanwhile (counted in loop turns, not seconds), and the ids are the bundle tokenizer's."""
     import zlc
-    from zlc.runtime.serve.api_common import ChatPrompt
-    from zlc.runtime.serve.prompts import THREAD_BYTES, PromptEncoder
+    from zlc.runtime.serve.ingress.api_common import ChatPrompt
+    from zlc.runtime.serve.ingress.prompts import THREAD_BYTES, PromptEncoder
 
     tok = zlc.load(chat_bundle).tokenizer
     enc = PromptEncoder(tok, max_seq=10**9)  # a context big enough that nothing is refused

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zlc.errors import ZlcError
-from zlc.runtime.serve.devices import Device, DeviceSpecError, parse_devices
-from zlc.runtime.serve.router import MAX_SLACK, PAGES_PER_EXTRA_REQUEST, Load, PrefixRouter, page_keys
+from zlc.runtime.serve.ingress.devices import Device, DeviceSpecError, parse_devices
+from zlc.runtime.serve.ingress.router import MAX_SLACK, PAGES_PER_EXTRA_REQUEST, Load, PrefixRouter, page_keys
 
 CORES = range(8)
 

@@ -1,4 +1,4 @@
-"""top_k, frequency/presence penalties and logprobs in the scheduler (runtime/serve/sampling.py),
+"""top_k, frequency/presence penalties and logprobs in the scheduler (runtime/serve/engine/sampling.py),
 driven directly over SequentialBatch on the bundle's reference executor. Oracle: the reference
 executor's logits of the whole finished sequence (one prefill with every position's logits: decode
 equals prefill), with OpenAI's penalty formula and top_k written out here by hand, picked by
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zlc.runtime.batch import SequentialBatch
+from zlc.runtime.serve.engine.scheduler import Scheduler
 from zlc.runtime.serve.protocol import RequestFlag, ResultFlag
 from zlc.runtime.serve.rings import Request
-from zlc.runtime.serve.scheduler import Scheduler
 
 MAX_NEW = 8
 

@@ -12,9 +12,9 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from zlc.runtime.batch import OutOfPages, SequentialBatch, pages_for
+from zlc.runtime.serve.engine.scheduler import Scheduler
 from zlc.runtime.serve.protocol import EngineError, ResultFlag
 from zlc.runtime.serve.rings import Request
-from zlc.runtime.serve.scheduler import Scheduler
 
 MAX_NEW = 8
 

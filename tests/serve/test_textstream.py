@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
 
-from zlc.runtime.serve.textstream import TextStream  # noqa: E402
+from zlc.runtime.serve.ingress.textstream import TextStream  # noqa: E402
 from zlc.runtime.tokenizer import BundleTokenizer, bundle_tokenizer  # noqa: E402
 from zlc.testing import zoo  # noqa: E402
 

@@ -35,7 +35,7 @@
 enum { STAT_ACCEPTED, STAT_MALFORMED, STAT_RING_FULL, STAT_TOO_LONG, STAT_N };
 
 /* What one ring record holds: the frame as received plus the sender, so results can be sent back
- * from the serving UDP socket. Layout mirrored in runtime/serve/xdp.py. */
+ * from the serving UDP socket. Layout mirrored in runtime/serve/ingress/xdp.py. */
 struct zlc_record {
 	__u32 frame_len; /* bytes of frame[] in use */
 	__u32 src_addr;  /* IPv4 source address, network byte order */

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from ..protocol import MAX_TOP_LOGPROBS
 from .api_common import (
     MAX_N,
     ApiError,
@@ -29,7 +30,6 @@ from .api_common import (
     invalid,
 )
 from .api_openai import FINISH_REASON, OPENAI
-from .protocol import MAX_TOP_LOGPROBS
 
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier"})
 REFUSED_FIELDS = ("suffix", "logit_bias")

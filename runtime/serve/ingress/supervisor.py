@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 from zlc.errors import ZlcError
 
-from .engine_client import EngineClient, ResultHandler
-from .protocol import EngineError
-from .rings import Request
+from ..protocol import EngineError
+from .engine_client import EngineClient
 
 # Seconds one engine step (a prefill or a token) may take before the engine counts as hung: a GPU
 # step that takes half a minute is stuck; on CPU cores a big model's long prefill can take minutes,
@@ -63,8 +62,9 @@ def _log(msg: str, name: str | None = None) -> None:
 
 
 class EngineSupervisor:
-    """What the server submits through: the current engine's client, replaced when it is lost.
-    ``up`` says whether requests can be submitted now; ``reason`` why not."""
+    """One engine kept alive: its current client (``live``), replaced when it is lost. It carries
+    no requests itself: they pass through pool.py to the live client. ``up`` says whether
+    requests can be submitted now; ``reason`` why not."""
 
     def __init__(self, make_client: Callable[[], EngineClient], *, step_deadline_s: float,
                  policy: RestartPolicy | None = None, on_give_up: Callable[[str], None] = lambda why: None,
@@ -82,7 +82,6 @@ class EngineSupervisor:
         self.restarts = 0
         self.max_prompt_tokens = 0
         self._failures: collections.deque[float] = collections.deque()
-        self._next_id = 1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
@@ -124,53 +123,18 @@ class EngineSupervisor:
             assert self._loop is not None
             await self._loop.run_in_executor(None, client.close)
 
-    # -- what the server uses
+    # -- what the pool reads (requests pass through pool.py, straight to the live client)
 
     @property
     def up(self) -> bool:
         return self.state == "up"
 
-    def new_id(self) -> int:
-        rid = self._next_id
-        self._next_id += 1
-        return rid
-
-    def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """False when the engine is not up or holds its capacity (EngineClient.submit)."""
-        return self.up and self.client is not None and self.client.submit(request, handler)
-
-    def cancel(self, request_id: int) -> None:
-        if self.client is not None and self.client.usable:
-            self.client.cancel(request_id)
-
     @property
-    def capacity(self) -> int:
-        """Requests the engine takes in flight (--max-batch + --max-queue), as its client counts them."""
-        return 0 if self.client is None else self.client.capacity
-
-    @property
-    def held(self) -> int:
-        """Requests counted against the capacity: in flight, and cancelled ones the engine still holds."""
-        return self.client.held if self.client is not None and self.client.usable else 0
-
-    @property
-    def in_flight(self) -> int:
-        return self.client.in_flight if self.client is not None and self.client.usable else 0
-
-    def engine_stat(self, name: str) -> float:
-        """One of the current engine's EngineStats counters (0 while there is none)."""
+    def live(self) -> EngineClient | None:
+        """The current engine's client while it can take requests and cancels (None when there
+        is none: restarting, stopped, failed, or it has just exited)."""
         c = self.client
-        return 0.0 if c is None or c.closed else c.stats.get(name)
-
-    def occupancy(self, ring: str) -> float:
-        c = self.client
-        if c is None or c.closed:
-            return 0.0
-        return float((c.region.requests if ring == "request" else c.region.results).occupancy())
-
-    def fail_all(self, code: int = EngineError.UNAVAILABLE) -> int:
-        """Ends every request in flight with an error result (the drain deadline)."""
-        return self.client.fail_all(code) if self.client is not None and self.client.usable else 0
+        return c if c is not None and c.usable else None
 
     def retry_after_s(self) -> int:
         """Seconds a client should wait before trying again (Retry-After)."""

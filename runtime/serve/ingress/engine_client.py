@@ -13,7 +13,9 @@ request ring is sized so that it holds that many requests with the longest promp
 each and a PING (``request_ring_slots``): a burst arriving during one long engine step can never
 fill it below capacity (it did, when the ring held what one step's arrivals happened to be).
 
-The client also keeps what the supervisor's watchdog needs: when the engine last produced
+The client keeps the engine's load as the router sees it (pool.py): requests in flight and the
+prompt tokens sent whose first result has not come back (``queued_tokens``), and what the
+supervisor's watchdog needs: when the engine last produced
 anything (``last_progress``) and since when something has been owed (``owed_since``).
 """
 
@@ -31,9 +33,9 @@ from typing import Protocol
 
 from zlc.errors import ZlcError
 
-from .engine_stats import EngineStats
-from .protocol import RequestFlag, ResultFlag
-from .rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
+from ..engine_stats import EngineStats
+from ..protocol import RequestFlag, ResultFlag
+from ..rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
 
 PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
 
@@ -72,6 +74,9 @@ class EngineClient:
         # Cancelled requests whose LAST has not come back: the engine still holds them until it
         # reads the CANCEL, so they count against the capacity (and the ring's room) until then.
         self.cancelling: set[int] = set()
+        # Prompt tokens of requests with no result yet, per request (the router's queued work).
+        self.unstarted: dict[int, int] = {}
+        self.queued_tokens = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._pidfd = -1  # readable when the engine exits (pidfd_open): no SIGCHLD handler, no polling
         self.exited = False
@@ -87,7 +92,7 @@ class EngineClient:
     def start(self, timeout_s: float = 600.0) -> None:
         """Starts the engine and waits until it has loaded the bundle (blocking: run it off the loop)."""
         r, w = os.pipe()
-        cmd = [sys.executable, "-m", "zlc.runtime.serve.engine", self.bundle, "--device", self.device,
+        cmd = [sys.executable, "-m", "zlc.runtime.serve.engine.loop", self.bundle, "--device", self.device,
                "--region", str(self.region.name), "--request-fd", str(self.request_fd),
                "--result-fd", str(self.result_fd), "--ready-fd", str(w), "--max-queue", str(self.max_queue),
                "--spin-us", str(self.spin_us), "--threads", str(self.threads), "--max-batch", str(self.max_batch),
@@ -192,19 +197,24 @@ class EngineClient:
         if self.owed_since is None:
             self.owed_since = time.monotonic()
         self.handlers[request.request_id] = handler
+        if request.tokens:
+            self.unstarted[request.request_id] = len(request.tokens)
+            self.queued_tokens += len(request.tokens)
         os.eventfd_write(self.request_fd, 1)
         return True
 
-    def cancel(self, request_id: int) -> None:
-        """Frees the request's slot in the engine; its handler hears nothing more."""
-        if self.handlers.pop(request_id, None) is None or not self.usable:
-            return
+    def cancel(self, request_id: int) -> bool:
+        """Frees the request's slot in the engine; its handler hears nothing more. False when this
+        engine does not hold the request (not submitted here, finished, or the engine is gone)."""
+        if not self.usable or self.handlers.pop(request_id, None) is None:
+            return False
+        self.queued_tokens -= self.unstarted.pop(request_id, 0)
         self.cancelling.add(request_id)
         self._owed_changed()
-        if not self.region.requests.push(Request(request_id, [], 0, flags=RequestFlag.CANCEL)):
-            # Ring full: the engine is far behind; the request finishes and its results are dropped.
-            return
-        os.eventfd_write(self.request_fd, 1)
+        if self.region.requests.push(Request(request_id, [], 0, flags=RequestFlag.CANCEL)):
+            os.eventfd_write(self.request_fd, 1)
+        # else the ring is full: the engine is far behind; the request finishes, its results dropped
+        return True
 
     def ping(self) -> None:
         """Asks the engine for a PONG (liveness of an idle engine); one at a time."""
@@ -220,6 +230,8 @@ class EngineClient:
         """Ends every request in flight with an ERROR|LAST result carrying `code`; returns how many."""
         pending, self.handlers = self.handlers, {}
         self.cancelling.clear()
+        self.unstarted.clear()
+        self.queued_tokens = 0
         for h in pending.values():
             h.on_result(int(code), ResultFlag.ERROR | ResultFlag.LAST, 0)
         self._owed_changed()
@@ -243,7 +255,7 @@ class EngineClient:
             os.eventfd_read(self.result_fd)  # reset first: results pushed after this wake us again
         except BlockingIOError:
             pass
-        handlers = self.handlers
+        handlers, unstarted = self.handlers, self.unstarted
         raw = self.region.results.raw
         while True:
             batch = raw.pop_many(1024)
@@ -260,6 +272,8 @@ class EngineClient:
                     if flags & ResultFlag.LAST:
                         self.cancelling.discard(rid)
                     continue
+                if unstarted:  # its first result: its prompt is no longer queued work
+                    self.queued_tokens -= unstarted.pop(rid, 0)
                 if flags & ResultFlag.LAST:
                     del handlers[rid]
                 h.on_result(token, flags, t_ns, logprob)

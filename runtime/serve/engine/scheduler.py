@@ -38,8 +38,8 @@ import numpy as np
 from zlc.runtime.batch import BatchBackend, pages_for
 from zlc.runtime.kv_manager import BatchStep
 
-from .protocol import EngineError, RequestFlag, ResultFlag
-from .rings import Request
+from ..protocol import EngineError, RequestFlag, ResultFlag
+from ..rings import Request
 from .sampling import MAX_TOP_LOGPROBS, RowSampler
 
 Emit = Callable[..., None]  # (request_id, token, flags[, logprob])

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from ..protocol import MAX_TOP_LOGPROBS
 from .api_common import (
     MAX_N,
     ApiError,
@@ -28,7 +29,6 @@ from .api_common import (
     request_fields,
     text_of,
 )
-from .protocol import MAX_TOP_LOGPROBS
 
 # Fields that do not change what a text-only, non-reasoning model computes: accepted, ignored.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",

@@ -37,6 +37,7 @@ import orjson
 from zlc.errors import ZlcError
 from zlc.runtime.batch import default_max_batch
 
+from ..protocol import EngineError
 from . import frame_auth
 from .api_anthropic import ANTHROPIC
 from .api_common import Api, ApiError
@@ -49,7 +50,6 @@ from .generate import error_response, generate
 from .http import HttpConnection, HttpLimits, HttpRequest, serve_http
 from .metrics import ServerMetrics
 from .pool import EnginePool
-from .protocol import EngineError
 from .supervisor import EngineSupervisor, RestartPolicy, step_deadline_s
 
 ARCHITECTURE = "zero-layer-v1"

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import orjson
 
+from ..protocol import EngineError, RequestFlag, ResultFlag
+from ..rings import Request
 from .api_common import Api, ApiError, GenerationSpec, Outcome, Reply, TokenLogprob, fit_context
 from .http import HttpConnection, HttpRequest
-from .protocol import EngineError, RequestFlag, ResultFlag
-from .rings import Request
 from .state import ServerState
 from .textstream import TextStream
 

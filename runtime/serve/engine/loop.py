@@ -41,9 +41,9 @@ import sys
 import time
 from typing import Any
 
-from .engine_stats import EngineStats
-from .protocol import EngineError, RequestFlag, ResultFlag
-from .rings import RingRegion
+from ..engine_stats import EngineStats
+from ..protocol import EngineError, RequestFlag, ResultFlag
+from ..rings import RingRegion
 from .scheduler import Scheduler
 
 
@@ -176,7 +176,7 @@ class Engine:
 
 
 # --------------------------------------------------------------------------------------------------
-# the engine process: `python -m zlc.runtime.serve.engine ...`, started by `zlc serve`
+# the engine process: `python -m zlc.runtime.serve.engine.loop ...`, started by `zlc serve`
 
 
 def _die_with_parent() -> None:
@@ -203,7 +203,7 @@ def _confine(cpus: set[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zlc.runtime.serve.engine", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m zlc.runtime.serve.engine.loop", description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--region", required=True, help="shared-memory name of the ring region")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import MAX_TOP_LOGPROBS
+from ..protocol import MAX_TOP_LOGPROBS
 
 __all__ = ["MAX_TOP_LOGPROBS", "RowSampler", "log_sum_exp", "top_alternatives"]
 

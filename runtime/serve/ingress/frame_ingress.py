@@ -16,10 +16,10 @@ import socket
 import sys
 from typing import Any
 
+from ..protocol import ResultFlag
+from ..rings import Request
 from . import frame_auth, frames
 from .frames import FrameErrorCode, FrameFlag
-from .protocol import ResultFlag
-from .rings import Request
 from .state import ServerState
 
 UDP_BUFFER_BYTES = 8 << 20  # capped by net.core.rmem_max / wmem_max (deploy/sysctl.d raises those)

@@ -1,55 +1,36 @@
-"""The server's engines: one EngineSupervisor per device (`--devices`; one without it), behind the
-one interface the request paths (generate.py, frame_ingress.py) and the server use.
+"""The server's engines: one EngineSupervisor per device (`--devices`; one without it), and the one
+place every request passes through to an engine: submit, cancel, in_flight, fail_all, the
+engines' counters and ring occupancy, for one engine or many alike (no path of its own for one).
 
 Each engine has its own process, rings, eventfds and supervisor: one that exits or hangs ends its
-own requests with the error a lone engine's get and is restarted, while the others serve on. A
-request goes to the engine router.py picks (least loaded, prefix affinity) among those that are
-up; if that engine holds its capacity the next best is tried. Cancels go to the engine that
-has the request. The server is "up" while any engine is; if one engine fails past the restart
-limit the server gives up as a single-engine server does (the service manager restarts it whole).
+own requests with an error and is restarted, while the others serve on. The supervisors only keep
+their engines alive; a request goes from here straight to the live EngineClient (engine_client.py)
+that router.py picks (least loaded, prefix affinity) among those that are up; if that engine
+holds its capacity the next best is tried. Results go from the client straight to the request's
+handler (the client keeps the load the router reads: in flight, queued prompt tokens). A cancel
+goes to the engine that holds the request. The server is "up" while any engine is; if one engine
+fails past the restart limit the server gives up (the service manager restarts it whole).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zlc.errors import ZlcError
 from zlc.runtime.kv_manager import DEFAULT_PAGE_SIZE
 
+from ..protocol import EngineError
+from ..rings import Request
 from .devices import Device
-from .engine_client import ResultHandler
-from .protocol import EngineError, ResultFlag
-from .rings import Request
+from .engine_client import EngineClient, ResultHandler
 from .router import HOWS, Load, PrefixRouter, page_keys
 from .supervisor import EngineSupervisor
 
 RESTART_KINDS = ("exited", "hung")
 # Stats that are a moment's value per engine, not a sum: the total is the largest engine's.
 _MAX_STATS = frozenset({"last_host_seconds", "last_backend_seconds"})
-
-
-class _Routed:
-    """A request's handler, seen through the pool: it keeps the engine's load account (queued
-    prompt tokens until the first result; the route until the last)."""
-
-    __slots__ = ("pool", "handler", "rid", "engine", "prompt", "waiting")
-
-    def __init__(self, pool: EnginePool, handler: ResultHandler, rid: int, engine: int, prompt: int):
-        self.pool, self.handler, self.rid, self.engine, self.prompt = pool, handler, rid, engine, prompt
-        self.waiting = True  # no result yet: its prompt is still queued work of its engine
-
-    def settle(self) -> None:
-        if self.waiting:
-            self.waiting = False
-            self.pool.queued_tokens[self.engine] -= self.prompt
-
-    def on_result(self, token: int, flags: int, t_ns: int, logprob: float = 0.0) -> None:
-        self.settle()
-        if flags & ResultFlag.LAST:
-            self.pool.routes.pop(self.rid, None)
-        self.handler.on_result(token, flags, t_ns, logprob)
 
 
 class EnginePool:
@@ -60,8 +41,6 @@ class EnginePool:
         assert len(devices) == len(supervisors) >= 1
         self.devices, self.engines = list(devices), list(supervisors)
         self.router = PrefixRouter(page_size)
-        self.routes: dict[int, _Routed] = {}  # request id -> its engine, while in flight
-        self.queued_tokens = [0] * len(self.engines)
         self.routed = [dict.fromkeys(HOWS, 0) for _ in self.engines]  # requests sent, by how chosen
         self.restarts_by = [dict.fromkeys(RESTART_KINDS, 0) for _ in self.engines]
         self._next_id = 1
@@ -128,8 +107,9 @@ class EnginePool:
 
     @property
     def capacity(self) -> int:
-        """Requests the engines take in flight together (each: --max-batch + --max-queue)."""
-        return sum(e.capacity for e in self.engines)
+        """Requests the engines take in flight together (each: --max-batch + --max-queue, as its
+        client counts them; 0 for one that has none now)."""
+        return sum(e.client.capacity for e in self.engines if e.client is not None)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -142,15 +122,28 @@ class EnginePool:
         self._next_id += 1
         return rid
 
+    def _live(self) -> Iterator[EngineClient]:
+        """The clients of the engines that can take requests and cancels now."""
+        for e in self.engines:
+            if (c := e.live) is not None:
+                yield c
+
+    def _client(self, engine: int) -> EngineClient | None:
+        """Engine `engine`'s current client while it is open (its counters and rings readable)."""
+        c = self.engines[engine].client
+        return None if c is None or c.closed else c
+
     def loads(self) -> list[Load | None]:
-        return [Load(e.in_flight, self.queued_tokens[i], e.restarts, e.held >= e.capacity)
-                if e.up else None for i, e in enumerate(self.engines)]
+        """What the router knows of each engine: None for one that takes no requests now."""
+        out: list[Load | None] = []
+        for e in self.engines:
+            c = e.live if e.up else None
+            out.append(None if c is None else Load(c.in_flight, c.queued_tokens, e.restarts, c.held >= c.capacity))
+        return out
 
     def submit(self, request: Request, handler: ResultHandler) -> bool:
-        """Sends the request to its engine (router.py), or the next best when that one holds its
-        capacity; False when no engine is up or every one holds its capacity."""
-        if len(self.engines) == 1:  # nothing to choose: today's path, no wrapper on the token path
-            return self.engines[0].submit(request, handler)
+        """Sends the request to the engine router.py picks, or the next best when that one holds
+        its capacity; False when no engine is up or every one holds its capacity."""
         loads = self.loads()
         if not any(ld is not None for ld in loads):
             return False
@@ -159,62 +152,63 @@ class EnginePool:
         others = sorted((i for i, ld in enumerate(loads) if ld is not None and i != route.engine),
                         key=lambda i: (loads[i].in_flight, loads[i].queued_tokens, i))  # type: ignore[union-attr]
         for i, how in [(route.engine, route.how), *((i, "rebalanced") for i in others)]:
-            if self._submit_to(i, request, handler, how):
+            c = self.engines[i].live
+            if c is not None and c.submit(request, handler):  # else it holds its capacity
+                self.routed[i][how] += 1
                 self.router.served(keys, i, self.engines[i].restarts)
                 return True
         return False
 
-    def _submit_to(self, engine: int, request: Request, handler: ResultHandler, how: str) -> bool:
-        routed = _Routed(self, handler, request.request_id, engine, len(request.tokens))
-        self.routes[request.request_id] = routed
-        self.queued_tokens[engine] += routed.prompt
-        if not self.engines[engine].submit(request, routed):  # not up, or it holds its capacity
-            routed.settle()
-            del self.routes[request.request_id]
-            return False
-        self.routed[engine][how] += 1
-        return True
-
     def cancel(self, request_id: int) -> None:
-        if len(self.engines) == 1:
-            return self.engines[0].cancel(request_id)
-        routed = self.routes.pop(request_id, None)
-        if routed is not None:
-            routed.settle()
-            self.engines[routed.engine].cancel(request_id)
+        """Frees the request in the engine that holds it (request ids are unique over the pool)."""
+        for c in self._live():
+            if c.cancel(request_id):
+                return
 
     def fail_all(self, code: int = EngineError.UNAVAILABLE) -> int:
-        return sum(e.fail_all(code) for e in self.engines)
+        """Ends every request in flight with an error result (the drain deadline); how many."""
+        return sum(c.fail_all(code) for c in self._live())
 
     @property
     def in_flight(self) -> int:
-        return sum(e.in_flight for e in self.engines)
+        return sum(c.in_flight for c in self._live())
 
     # -- numbers, for /metrics and error messages
 
     def engine_stat(self, name: str, engine: int | None = None) -> float:
-        """An EngineStats counter of one engine, or over all (summed; the largest for last_*)."""
-        if engine is not None:
-            return self.engines[engine].engine_stat(name)
-        values = [e.engine_stat(name) for e in self.engines]
-        return max(values) if name in _MAX_STATS else sum(values)
+        """An EngineStats counter of one engine (0 while it has none), or over all (summed; the
+        largest for last_*)."""
+        if engine is None:
+            values = [self.engine_stat(name, i) for i in range(len(self.engines))]
+            return max(values) if name in _MAX_STATS else sum(values)
+        c = self._client(engine)
+        return 0.0 if c is None else c.stats.get(name)
 
     def kv_pages(self) -> int:
         """One engine's KV budget in pages (each engine has the --kv-pages budget of its own)."""
-        return int(max(e.engine_stat("pages_total") for e in self.engines))
+        return int(max(self.engine_stat("pages_total", i) for i in range(len(self.engines))))
+
+    def _in_flight(self, engine: int) -> int:
+        c = self.engines[engine].live
+        return 0 if c is None else c.in_flight
 
     def in_flight_of(self, engine: int | None) -> float:
-        return float(self.in_flight if engine is None else self.engines[engine].in_flight)
+        return float(self.in_flight if engine is None else self._in_flight(engine))
 
     def up_of(self, engine: int | None) -> float:
         return float(all(e.up for e in self.engines) if engine is None else self.engines[engine].up)
 
     def occupancy(self, ring: str, engine: int | None = None) -> float:
-        if engine is not None:
-            return self.engines[engine].occupancy(ring)
-        return sum(e.occupancy(ring) for e in self.engines)
+        """Slots in use in one engine's request or result ring, or summed over all."""
+        if engine is None:
+            return sum(self.occupancy(ring, i) for i in range(len(self.engines)))
+        c = self._client(engine)
+        if c is None:
+            return 0.0
+        return float((c.region.requests if ring == "request" else c.region.results).occupancy())
 
     def engine_health(self) -> list[dict[str, Any]]:
         """Each engine's line in /health."""
-        return [{"device": d.label, "status": e.state, "in_flight": e.in_flight, "restarts": e.restarts,
-                 **({"reason": e.reason} if e.reason else {})} for d, e in zip(self.devices, self.engines, strict=True)]
+        return [{"device": d.label, "status": e.state, "in_flight": self._in_flight(i), "restarts": e.restarts,
+                 **({"reason": e.reason} if e.reason else {})}
+                for i, (d, e) in enumerate(zip(self.devices, self.engines, strict=True))]
