@@ -1,4 +1,4 @@
-"""The chat page at / of `zlc serve` (runtime/serve/chat.html). Fast: its HTTP answer (HTML, a CSP
+"""The chat page at / of `zlc serve` (runtime/serve/ingress/chat.html). Fast: its HTTP answer (HTML, a CSP
 that allows this server only, nothing to load from elsewhere). Slow: the page in a real headless
 browser (Debian's chromium driven by playwright) against a real server on loopback: the model's
 name from /v1/models, an answer streamed into the page equal to the same request's greedy answer
@@ -38,7 +38,7 @@ def test_the_wheel_ships_the_page() -> None:
     import tomllib
 
     setuptools = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "chat.html" in setuptools["package-data"]["zlc.runtime.serve"]
+    assert "chat.html" in setuptools["package-data"]["zlc.runtime.serve.ingress"]
 
 
 # --------------------------------------------------------------------------------------------------
