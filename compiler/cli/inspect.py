@@ -23,6 +23,7 @@ from .common import (
     out_console,
     print_bundle,
     progress,
+    require_compiler,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
         _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
                         show_ir)
         return
+    require_compiler("zlc inspect MODEL")
     if _check_stage(after) == "compile":
         _inspect_compile_stage(model, str(after), targets, max_seq)
         return
