@@ -63,6 +63,7 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
     if show_kernel:
         if not model.is_dir():
             raise ZlcError(f"--kernel reads a compiled bundle; {model} is not one (run `zlc compile` first)")
+        require_compiler("zlc inspect --kernel")  # the machine code is read with Triton's NVIDIA tools
         _inspect_kernel(model, list(targets) or None, context, as_json)
         return
     if is_bundle_arg(model):
