@@ -21,9 +21,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
-from zlc.reference.sampling import sample
+from zlc.reference.sampling import generator, sample
 from zlc.runtime.serve.engine.sampling import RowSampler
 
 
@@ -44,9 +43,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    torch.set_num_threads(1)  # the engine samples on its own thread; one row at a time
     logits = np.random.default_rng(0).standard_normal(args.vocab).astype(np.float32)
-    gen = torch.Generator().manual_seed(1)
+    gen = generator(1)
     history = list(range(0, 64 * 7, 7))  # 64 generated tokens so far, for the penalties
 
     def with_options(top_k: int, freq: float, pres: float, logprobs: bool, top: int, sampled: bool
@@ -63,7 +61,7 @@ def main() -> None:
         return run
 
     plain_greedy = per_token_us(lambda: int(np.argmax(logits)), args.n, args.repeat)
-    plain_sampled = per_token_us(lambda: sample(torch.from_numpy(logits), 0.8, 0.95, gen), args.n, args.repeat)
+    plain_sampled = per_token_us(lambda: sample(logits, 0.8, 0.95, gen), args.n, args.repeat)
     rows = [
         ("greedy, plain path (np.argmax)", plain_greedy, plain_greedy),
         ("greedy + frequency/presence penalties", per_token_us(with_options(0, 0.5, 0.5, False, 0, False),

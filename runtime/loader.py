@@ -144,6 +144,7 @@ class Bundle:
             native = NativeBackend(self.path, self.manifest, threads=threads, pin=pin, debug=debug)
             return MegakernelSession(native, chunk=native.chunk, max_seq=self.max_seq, vocab=self.vocab)
         if device == "interpret":
+            _need_compiler(device, ("torch", "triton"))
             from .interpret import InterpretBackend
 
             tiling = self.manifest["tilings"]["cpu"]
@@ -151,6 +152,7 @@ class Bundle:
             return MegakernelSession(backend, chunk=int(tiling["layout"]["chunk"]), max_seq=self.max_seq,
                                      vocab=self.vocab)
         if device == "reference":
+            _need_compiler(device, ("torch",))
             from .reference_backend import ReferenceBackend
 
             # One launch per prompt (chunk = max_seq): the graphs have no fixed activation
@@ -180,6 +182,17 @@ class Bundle:
                 s = self._sessions[key] = self.session(key[0], threads=threads)
             return s.generate(list(prompt_ids), max_new_tokens, eos=eos, temperature=temperature,
                               top_p=top_p, seed=seed)
+
+
+def _need_compiler(device: str, modules: tuple[str, ...]) -> None:
+    """The `interpret` and `reference` executors run on the compiler's packages (torch, Triton), which
+    a runtime-only install (`pip install zlc`, no `[compile]` extra) does not have: one line then."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ZlcError(f"device '{device}' needs {' and '.join(missing)} (the compiler's extra): "
+                       "pip install 'zlc[compile]' (or run with --device cpu)")
 
 
 def load(path: str | Path, *, full_check: bool = False) -> Bundle:

@@ -93,17 +93,15 @@ class MegakernelSession:
         self.reset()
         sampled = temperature > 0.0
         gen = None
-        if sampled:  # torch only when sampling: a greedy server process never imports it
-            import torch
+        if sampled:
+            from zlc.reference.sampling import generator, sample  # numpy only
 
-            from zlc.reference.sampling import sample  # imports torch too
-
-            gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+            gen = generator(seed)
         tok, lg = self.prefill(list(prompt_ids), want_logits=sampled)
         for i in range(max_new_tokens):
             if sampled:
                 assert lg is not None and gen is not None
-                tok = sample(torch.from_numpy(lg[-1]), temperature, top_p, gen)
+                tok = sample(lg[-1], temperature, top_p, gen)
             yield tok
             if tok in stops or i == max_new_tokens - 1:
                 return

@@ -47,6 +47,11 @@ RAISE_STAGE_NAMES = ("raise-norms", "raise-embedding", "raise-linear", "raise-ro
 COMPILE_STAGE_NAMES = ("lower", "verify", "quantize", "schedule", "emit", "weights", "native", "aot", "tokenizer", "ebpf",
                        "manifest")
 
+# The import names of pyproject's `compile` extra: a runtime-only install (`pip install zlc`) lacks
+# them, and the commands that lower or compile a model say so in one line (require_compiler).
+COMPILER_MODULES = ("torch", "onnx", "onnx_ir", "onnxruntime", "triton", "gguf", "safetensors")
+INSTALL_COMPILER = "pip install 'zlc[compile]'"
+
 _settings = {"debug": False}
 
 
@@ -110,6 +115,9 @@ def exit_code_for(e: BaseException) -> int:
     if isinstance(e, ZlcError):
         error_line(str(e))
         return e.exit_code
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").partition(".")[0] in COMPILER_MODULES:
+        error_line(f"this needs the compiler (no module named '{e.name}'): {INSTALL_COMPILER}")
+        return ZlcError.exit_code
     error_line(f"internal error: {type(e).__name__}: {e} -- this is a bug in zlc; "
                "rerun with 'zlc --debug ...' for the traceback and report it")
     return EXIT_INTERNAL
@@ -160,6 +168,15 @@ class IdList(click.ParamType):
 
 
 MODEL = click.argument("model", type=click.Path(path_type=Path), metavar="MODEL")
+
+
+def require_compiler(command: str) -> None:
+    """Refuses `command` in one line, before any work, when the compile extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in COMPILER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ZlcError(f"{command} needs the compiler: {INSTALL_COMPILER} (not installed: {', '.join(missing)})")
 
 
 def is_bundle_arg(path: Path) -> bool:

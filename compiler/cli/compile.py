@@ -22,7 +22,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from .common import cli, err_console, print_bundle
+from .common import cli, err_console, print_bundle, require_compiler
 
 
 class CompileProgress:
@@ -157,6 +157,7 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
     tables, weights, tokenizer and a manifest. MODEL: an ONNX or GGUF file, or a Hugging Face checkpoint
     directory. Checks the lowered model first (against ONNX Runtime; a GGUF file or a checkpoint
     directory against its imported graph)."""
+    require_compiler("zlc compile")
     from ..targets import get_target
 
     for t in targets:

@@ -23,6 +23,7 @@ from .common import (
     out_console,
     print_bundle,
     progress,
+    require_compiler,
 )
 
 if TYPE_CHECKING:
@@ -62,12 +63,14 @@ def inspect(model: Path, show_ir: bool, after: str | None, prefill: bool, stats:
     if show_kernel:
         if not model.is_dir():
             raise ZlcError(f"--kernel reads a compiled bundle; {model} is not one (run `zlc compile` first)")
+        require_compiler("zlc inspect --kernel")  # the machine code is read with Triton's NVIDIA tools
         _inspect_kernel(model, list(targets) or None, context, as_json)
         return
     if is_bundle_arg(model):
         _inspect_bundle(model, show_tasks, tiling, "prefill" if prefill else "decode", as_json,
                         show_ir)
         return
+    require_compiler("zlc inspect MODEL")
     if _check_stage(after) == "compile":
         _inspect_compile_stage(model, str(after), targets, max_seq)
         return

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 
 from ..errors import ZlcError
-from .common import MAX_SEQ, IdList, cli, err_console, is_bundle_arg, progress
+from .common import MAX_SEQ, IdList, cli, err_console, is_bundle_arg, progress, require_compiler
 
 
 @cli.command()
@@ -63,6 +63,7 @@ def run(model: Path, prompt: str | None, prompt_ids: list[int] | None, raw: bool
                                "for an ONNX or GGUF file use --prompt-ids")
     if device not in ("auto", "cpu", "reference"):
         raise click.UsageError("an ONNX MODEL runs on the CPU reference executor; compile it for a GPU")
+    require_compiler("zlc run MODEL")
     need = len(prompt_ids) + max_new_tokens
     if max_seq is not None and need > max_seq:
         raise ZlcError(f"prompt ({len(prompt_ids)}) + max-new-tokens ({max_new_tokens}) exceed "

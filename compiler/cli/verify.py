@@ -18,7 +18,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import VerificationError
-from .common import MAX_SEQ, MODEL, IdList, cli, histogram_table, out_console, progress
+from .common import (
+    MAX_SEQ,
+    MODEL,
+    IdList,
+    cli,
+    histogram_table,
+    out_console,
+    progress,
+    require_compiler,
+)
 
 if TYPE_CHECKING:
     from ..verifier import VerifyReport
@@ -45,6 +54,7 @@ def verify(model: Path, steps: int, prompt_len: int, prompt_ids: list[int] | Non
     megakernel. bf16 models (which ONNX Runtime has no kernels for) are compared with the imported
     graph run in f32 on the same weights by zlc's reference executor. Exits 0 on pass, 3 beyond tolerance, 4 when it passes but does not compile
     (0 with --numerics-only)."""
+    require_compiler("zlc verify")
     with progress(f"verify {model.name}", then="comparing with ONNX Runtime") as p:
         from ..verifier import verify as run_verify
 

@@ -12,7 +12,7 @@ from zlc.errors import ZlcError
 from zlc.ir import Graph
 
 from .executor import ReferenceExecutor, in_f64
-from .sampling import sample
+from .sampling import generator, sample
 
 
 class ReferenceSession:
@@ -64,11 +64,11 @@ class ReferenceSession:
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> list[int]:
         """Greedy by default; temperature/top-p sampling with a seed otherwise."""
         self.reset()
-        gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        gen = generator(seed)
         logits = self.prefill(list(prompt_ids))[-1]
         out: list[int] = []
         for i in range(max_new_tokens):
-            tok = sample(logits, temperature, top_p, gen)
+            tok = sample(logits.double().numpy(), temperature, top_p, gen)
             out.append(tok)
             if tok == eos or i == max_new_tokens - 1:
                 break

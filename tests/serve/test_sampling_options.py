@@ -100,9 +100,7 @@ def test_greedy_penalties_equal_the_hand_computed_reference(bundle: Any, batch: 
 
 
 def test_sampled_top_k_and_penalties_equal_the_reference_sampler(bundle: Any, batch: Any, session: Any) -> None:
-    import torch
-
-    from zlc.reference.sampling import sample
+    from zlc.reference.sampling import generator, sample
 
     prompt = prompt_of(7, 8, bundle.vocab)
     for k, freq, pres, seed in [(3, 0.0, 0.0, 11), (1, 0.0, 0.0, 5), (40, 0.7, 0.3, 2), (0, 1.0, 1.0, 9)]:
@@ -110,7 +108,7 @@ def test_sampled_top_k_and_penalties_equal_the_reference_sampler(bundle: Any, ba
                                           frequency_penalty=freq, presence_penalty=pres)])
         got = tokens(out[1])
         lg = reference_logits(session, prompt, got)
-        gen = torch.Generator().manual_seed(seed)
+        gen = generator(seed)
         want = []
         for step in range(len(got)):
             x = penalized(lg[step], got[:step], freq, pres)
@@ -119,7 +117,7 @@ def test_sampled_top_k_and_penalties_equal_the_reference_sampler(bundle: Any, ba
                 cut = np.full_like(x, -np.inf)
                 cut[keep] = x[keep]
                 x = cut
-            want.append(sample(torch.from_numpy(x), 1.2, 0.9, gen))
+            want.append(sample(x, 1.2, 0.9, gen))
             if k == 1:
                 assert want[-1] == int(np.argmax(penalized(lg[step], got[:step], freq, pres)))
         assert got == want, (k, freq, pres, seed)

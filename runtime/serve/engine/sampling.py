@@ -8,8 +8,8 @@ prompt), with c[j] the count of token j,
 
     logits[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty
 
-then top_k keeps the k largest adjusted logits (ties at the k-th: the lowest ids, torch.topk's
-order), and the row samples as before (greedy rows take the argmax, lowest id on ties).
+then top_k keeps the k largest adjusted logits (ties at the k-th: the lowest ids, as
+torch.topk orders them), and the row samples as before (greedy rows take the argmax, lowest id on ties).
 
 Logprobs are the log-softmax of the model's own logits (before penalties, temperature, top_k and
 top_p: what the model says of the chosen token, as OpenAI and vLLM report them), computed for the
@@ -24,9 +24,22 @@ from typing import Any
 
 import numpy as np
 
+from zlc.reference.sampling import sample
+
 from ..protocol import MAX_TOP_LOGPROBS
 
-__all__ = ["MAX_TOP_LOGPROBS", "RowSampler", "log_sum_exp", "top_alternatives"]
+__all__ = ["MAX_TOP_LOGPROBS", "RowSampler", "log_sum_exp", "top_alternatives", "top_k_cut"]
+
+
+def top_k_cut(logits: np.ndarray, k: int) -> np.ndarray:
+    """A copy of the [vocab] row with all but its k largest entries at -inf (ties at the k-th value:
+    the lowest ids kept). O(vocab): one partition, no sort."""
+    kth = np.partition(logits, logits.shape[0] - k)[logits.shape[0] - k]
+    above = np.flatnonzero(logits > kth)
+    keep = np.concatenate([above, np.flatnonzero(logits == kth)[:k - above.shape[0]]])
+    cut = np.full_like(logits, -np.inf, dtype=np.float32)
+    cut[keep] = logits[keep]
+    return cut
 
 
 def log_sum_exp(logits: np.ndarray) -> float:
@@ -77,12 +90,7 @@ class RowSampler:
             c = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
             out[ids] -= c * np.float32(self.frequency) + np.float32(self.presence)
         if 0 < self.top_k < out.shape[0]:
-            import torch
-
-            keep = torch.topk(torch.from_numpy(np.ascontiguousarray(out)), self.top_k).indices.numpy()
-            cut = np.full_like(out, -np.inf, dtype=np.float32)
-            cut[keep] = out[keep]
-            out = cut
+            out = top_k_cut(out, self.top_k)
         return out
 
     def pick(self, logits: np.ndarray, temperature: float, top_p: float, generator: Any) -> int:
@@ -91,11 +99,7 @@ class RowSampler:
         if generator is None:
             tok = int(np.argmax(x))  # the first maximum: the lowest id on ties, as the plain path
         else:
-            import torch
-
-            from zlc.reference.sampling import sample
-
-            tok = sample(torch.from_numpy(np.ascontiguousarray(x)), temperature, top_p, generator)
+            tok = sample(x, temperature, top_p, generator)
         self.counts[tok] = self.counts.get(tok, 0) + 1
         return tok
 

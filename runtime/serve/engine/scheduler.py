@@ -18,7 +18,7 @@ At every step the scheduler
      progresses; then the backend runs the value;
   4. samples each row from its logits with its own parameters (greedy: argmax, lowest index on
      ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
-     top_p / seed with its own torch generator; top_k, penalties and logprobs through a
+     top_p / seed with its own seeded generator; top_k, penalties and logprobs through a
      sampling.RowSampler, only for the rows that ask), emits the token, retires rows that hit a
      stop token or max_tokens and closes their sequence at once.
 
@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from zlc.reference.sampling import generator, sample
 from zlc.runtime.batch import BatchBackend, pages_for
 from zlc.runtime.kv_manager import BatchStep
 
@@ -56,7 +57,7 @@ class Job:
     max_tokens: int
     temperature: float
     top_p: float
-    generator: Any = None  # torch.Generator when sampled
+    generator: Any = None  # numpy Generator when sampled (zlc.reference.sampling.generator)
     sampler: RowSampler | None = None  # top_k, penalties, logprobs (None: none of them)
     prompt_logprobs: bool = False  # PROMPT_LOGPROBS: prompt rows of one token, each with its logits
     prompt_done: int = 0  # prompt positions whose PROMPT result is out (a preempted job does not repeat them)
@@ -136,10 +137,8 @@ class Scheduler:
         # top_p 0 keeps only the most likely token: greedy (a nucleus of no mass would be empty).
         temperature = r.temperature if r.top_p > 0.0 else 0.0
         gen = None
-        if temperature > 0.0:  # torch only when sampling: a greedy engine never imports it
-            import torch
-
-            gen = torch.Generator().manual_seed(int(r.seed))
+        if temperature > 0.0:
+            gen = generator(int(r.seed))
         prompt_lp = bool(r.flags & RequestFlag.PROMPT_LOGPROBS)
         sampler = RowSampler.of(int(r.top_k), float(r.frequency_penalty), float(r.presence_penalty),
                                 bool(r.flags & RequestFlag.LOGPROBS) or prompt_lp,
@@ -274,11 +273,7 @@ class Scheduler:
         if job.generator is None:
             tok = int(np.argmax(logits))  # the first maximum: the lowest id on ties
         else:
-            import torch
-
-            from zlc.reference.sampling import sample
-
-            tok = sample(torch.from_numpy(logits), job.temperature, job.top_p, job.generator)
+            tok = sample(logits, job.temperature, job.top_p, job.generator)
         self.emit(job.rid, tok, self._append(job, tok))
 
     def _produce_with(self, job: Job, sampler: RowSampler, logits: np.ndarray) -> None:
