@@ -6,7 +6,10 @@ instead of failing later)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .tools import ToolSetup
 
 MAX_N = 8  # the most choices one request may ask for (OpenAI `n`)
 
@@ -58,6 +61,9 @@ class GenerationSpec:
     n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
     echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
+    tools: ToolSetup | None = None  # tools offered / tool_choice (tools.py); replies parse calls when offered
+    # an llguidance Lark grammar the reply must match (a forced tool call: tools.tool_call_grammar)
+    grammar: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,10 +73,11 @@ class ChatPrompt:
     A completion's prompt is no chat: ``text`` (encoded as is, the tokenizer's special tokens
     added) or ``ids`` (token ids, sent as they are)."""
 
-    chat: list[dict[str, str]]
+    chat: list[dict[str, Any]]
     prefill: str | None = None
     text: str | None = None
     ids: list[int] | None = None
+    tools: ToolSetup | None = None  # the request's tools: rendered with the chat (prompts.py)
 
 
 @dataclass(slots=True)
