@@ -180,7 +180,7 @@ def _tool_turn(role: str, content: list[Any], where: str, names: dict[str, str])
         else:
             texts.append(text_of([b], where))
     if role == "assistant":
-        return [{"role": "assistant", "content": "".join(texts), "tool_calls": calls}]
+        return [{"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
 
 

@@ -156,13 +156,19 @@ class ToolCallStream:
         """In a call: (calls, the text after them), (None, _) when the body is no call, None to wait."""
         buf = self.buf
         if self.fmt == "hermes":
+            # the first closer after a whole call (a closer inside an argument's string is no end)
             j = buf.find(HERMES_CLOSE)
-            if j < 0 and not final:
+            while j >= 0:
+                got = _decode(buf[:j])
+                if got and not buf[got[1]:j].strip():
+                    call = _call(got[0], "arguments")
+                    return ([call], buf[j + len(HERMES_CLOSE):]) if call else (None, "")
+                j = buf.find(HERMES_CLOSE, j + 1)
+            if not final:
                 return None
-            body, rest = (buf[:j], buf[j + len(HERMES_CLOSE):]) if j >= 0 else (buf, "")
-            got = _decode(body)
-            call = _call(got[0], "arguments") if got and not body[got[1]:].strip() else None
-            return ([call], rest) if call else (None, "")
+            got = _decode(buf)  # the reply ended without the closer
+            call = _call(got[0], "arguments") if got and not buf[got[1]:].strip() else None
+            return ([call], "") if call else (None, "")
         if not final and not buf.rstrip().endswith(("}", "]")):
             return None  # a JSON value ends with one of these: no parse before
         if self.fmt == "llama3":

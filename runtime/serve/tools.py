@@ -73,9 +73,8 @@ def _tool(name: Any, description: Any, schema: Any, where: str, schema_key: str)
         raise invalid(f"{where}.name: Field required (a non-empty string)", where)
     if description is not None and not isinstance(description, str):
         raise invalid(f"{where}.description: Input should be a valid string", where)
-    fn: dict[str, Any] = {"name": name, "parameters": check_schema(schema, f"{where}.{schema_key}")}
-    if description:
-        fn["description"] = description
+    fn: dict[str, Any] = {"name": name, **({"description": description} if description else {}),
+                          "parameters": check_schema(schema, f"{where}.{schema_key}")}
     return {"type": "function", "function": fn}
 
 
