@@ -171,7 +171,8 @@ def _message(m: dict[str, Any], role: str, i: int) -> dict[str, Any]:
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise invalid(f"messages[{i}].tool_call_id: Field required", "messages")
-        return {"role": "tool", "tool_call_id": m["tool_call_id"], "name": m.get("name") or "", "content": text}
+        return {"role": "tool", "tool_call_id": m["tool_call_id"], "name": m["name"] if isinstance(m.get("name"), str) else "",
+                "content": text}
     calls = m.get("tool_calls")
     if not isinstance(calls, list):
         raise invalid(f"messages[{i}].tool_calls: Input should be a valid list", "messages")

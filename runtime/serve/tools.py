@@ -65,6 +65,8 @@ def check_schema(schema: Any, where: str) -> dict[str, Any]:
     except jsonschema.SchemaError as e:
         path = ".".join(str(p) for p in e.path)
         raise invalid(f"{where}{'.' + path if path else ''}: not a valid JSON schema ({e.message})", where) from None
+    except Exception as e:  # a "$schema" that names no draft, a reference that does not resolve...
+        raise invalid(f"{where}: not a valid JSON schema ({type(e).__name__}: {e})".split("\n")[0], where) from None
     return schema
 
 
