@@ -225,3 +225,31 @@ def test_forced_call_grammars_compile_in_llguidance(fmt: str, choice: str) -> No
     tools = [WEATHER, {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]
     grammar = tool_call_grammar(tools, choice, "get_weather", fmt)
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
+
+
+JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                    lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3),
+                    max_leaves=6)
+SCHEMAS = st.sampled_from([SCHEMA, {"type": "object"}, {"type": "string"}, {"$schema": [1]}]) | JUNK
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(["f", "g"]) | JUNK, schema=SCHEMAS,
+       choice=st.sampled_from(["auto", "none", "required", {"type": "any"}, {"type": "tool", "name": "f"},
+                               {"type": "function", "function": {"name": "f"}}]) | JUNK,
+       openai_api=st.booleans(), template=st.sampled_from([QWEN_LIKE, LLAMA_LIKE, MISTRAL_LIKE, CHATML]))
+def test_any_tools_are_rendered_or_one_400(name: Any, schema: Any, choice: Any, openai_api: bool,
+                                           template: str) -> None:
+    """Whatever the tools and tool_choice: a 400 naming a field, or a request whose chat renders."""
+    if openai_api:
+        fields = {"tools": [{"type": "function", "function": {"name": name, "parameters": schema}}], "tool_choice": choice}
+    else:
+        fields = {"tools": [{"name": name, "input_schema": schema}], "tool_choice": choice}
+    try:
+        spec, prompt = parse(OPENAI if openai_api else ANTHROPIC, **fields)
+    except ApiError as e:
+        assert e.status == 400 and e.param is not None and "\n" not in e.message
+        return
+    messages, tools = render_args(prompt.chat, prompt.tools, template)
+    assert (tools is not None) == (prompt.tools.offered and prompt.tools.native)
+    assert (spec.tools.grammar is not None) == spec.tools.forced
