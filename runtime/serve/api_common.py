@@ -6,10 +6,7 @@ instead of failing later)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from .tools import ToolSetup
+from typing import Any, Protocol
 
 MAX_N = 8  # the most choices one request may ask for (OpenAI `n`)
 
@@ -61,7 +58,7 @@ class GenerationSpec:
     n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
     echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
-    tools: ToolSetup | None = None  # tools offered / tool_choice (tools.py); replies parse calls when offered
+    tools: Any = None  # a tools.ToolSetup (tools.py imports this module): replies parse calls when offered
     # an llguidance Lark grammar the reply must match (a forced tool call: tools.tool_call_grammar)
     grammar: str | None = None
 
@@ -77,7 +74,7 @@ class ChatPrompt:
     prefill: str | None = None
     text: str | None = None
     ids: list[int] | None = None
-    tools: ToolSetup | None = None  # the request's tools: rendered with the chat (prompts.py)
+    tools: Any = None  # the request's tools.ToolSetup: rendered with the chat (prompts.py)
 
 
 @dataclass(slots=True)

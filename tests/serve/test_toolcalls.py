@@ -253,3 +253,21 @@ def test_any_tools_are_rendered_or_one_400(name: Any, schema: Any, choice: Any, 
     messages, tools = render_args(prompt.chat, prompt.tools, template)
     assert (tools is not None) == (prompt.tools.offered and prompt.tools.native)
     assert (spec.tools.grammar is not None) == spec.tools.forced
+
+
+def test_tools_without_a_chat_template_are_one_400(tmp_path: Path) -> None:
+    from zlc.runtime.serve.prompts import PromptEncoder
+    from zlc.runtime.tokenizer import BundleTokenizer
+    from zlc.testing import zoo
+
+    folder = zoo.save_chat_tokenizer(tmp_path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    encoder = PromptEncoder(BundleTokenizer(folder), 4096)
+    for tools in (True, False):  # tools offered, or only earlier tool turns
+        _, prompt = chat_with_tool_turns(OPENAI, tools=tools)
+        with pytest.raises(ApiError) as e:
+            encoder.texts(prompt)
+        assert e.value.status == 400 and e.value.param == "tools" and "no chat template" in e.value.message
+    _, prompt = parse(OPENAI, tools=[WEATHER], tool_choice="none")
+    assert encoder.texts(prompt) is None  # not offered: the plain text encoding, as without tools
