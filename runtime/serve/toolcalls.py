@@ -193,10 +193,11 @@ class ToolCallStream:
             if got is None:
                 return None if not final else (None, "")
             items = got[0] if isinstance(got[0], list) else [got[0]]
-            calls = [_call(x, "arguments") for x in items]
-            if not calls or any(c is None for c in calls):
+            parsed = [_call(x, "arguments") for x in items]
+            found = [c for c in parsed if c is not None]
+            if not found or len(found) < len(parsed):
                 return None, ""
-            return calls, head[got[1]:]  # type: ignore[return-value]
+            return found, head[got[1]:]
         name, sep, args = head.partition("[ARGS]")
         if not sep:
             return None if not final else (None, "")

@@ -126,7 +126,7 @@ def anthropic_tools(body: dict[str, Any]) -> ToolSetup | None:
         raise invalid(f"tool_choice: {kind!r} needs tools", "tool_choice")
     if kind == "tool":
         return _named(setup, choice.get("name"), "tool_choice.name")
-    setup.choice = {"any": "required"}.get(kind, kind)
+    setup.choice = "required" if kind == "any" else str(kind)
     return setup
 
 
