@@ -171,7 +171,7 @@ class HttpGeneration:
                                                                   spec.logprobs else 0)
         request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p,
                           (spec.seed + choice.index) % 2**64, flags, spec.top_k, spec.frequency_penalty,
-                          spec.presence_penalty, spec.top_logprobs)
+                          spec.presence_penalty, spec.top_logprobs, spec.grammar)
         if not server.engine.submit(request, choice):
             self.fail(overloaded(server) if server.engine.up else server.unavailable())
             return False

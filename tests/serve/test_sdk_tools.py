@@ -243,3 +243,50 @@ def test_bad_tools_are_one_400_and_reach_no_engine(server: Any) -> None:
                           tool_choice={"type": "tool", "name": "nope"})
     assert "tool_choice.name" in ea.value.body["error"]["message"]
     assert metric(server, "zlc_prompt_tokens_total") == before
+
+
+def grammar_enforced() -> bool:
+    """Whether a request's grammar reaches the engine (the ring carries it: constrained decoding)."""
+    from zlc.runtime.serve.rings import Request
+
+    return "probe" in Request(1, [1], 1, grammar="probe")._fields()
+
+
+@pytest.mark.slow  # the module's server (above)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_is_a_valid_call(server: Any, stream: bool) -> None:
+    """A forced call from a random model: the grammar makes it one call of the named tool whose
+    arguments validate against its schema, in both SDKs' typed objects."""
+    if not grammar_enforced():
+        pytest.skip("the request ring does not carry a grammar yet (constrained decoding: s32-struct)")
+    import jsonschema
+
+    # bounded arguments (an enum, a small integer): a random model's call ends within max_tokens
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Bergen"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    o = openai_client(server.base_url)
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    if stream:
+        with o.chat.completions.stream(model=MODEL, messages=USER, tools=tools, tool_choice=forced,  # type: ignore[arg-type]
+                                       max_tokens=200) as s:
+            r = s.get_final_completion()
+    else:
+        r = o.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice=forced,  # type: ignore[arg-type]
+                                      max_tokens=200)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    a = anthropic_client(server.base_url)
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": 200, "messages": USER,
+                              "tools": [{"name": "get_weather", "input_schema": schema}],
+                              "tool_choice": {"type": "tool", "name": "get_weather"}}
+    if stream:
+        with a.messages.stream(**kwargs) as s:
+            m = s.get_final_message()
+    else:
+        m = a.messages.create(**kwargs)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and [b.name for b in uses] == ["get_weather"]
+    jsonschema.validate(uses[0].input, schema)
