@@ -449,10 +449,12 @@ class BundleTokenizer:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, system: str | None = None
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, system: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for ``messages`` ([{"role", "content"}, ...]). ``system`` becomes a system
-        message at the head (replacing the content of one already there)."""
+        message at the head (replacing the content of one already there); ``tools``: the template's
+        ``tools`` variable (function definitions, Hugging Face's shape)."""
         if self._template is None:
             raise _err(self.folder, "the bundled tokenizer has no chat template")
         msgs = [dict(m) for m in messages]
@@ -467,7 +469,7 @@ class BundleTokenizer:
             return str(
                 self._template.render(
                     messages=msgs,
-                    tools=None,
+                    tools=tools,
                     documents=None,
                     add_generation_prompt=add_generation_prompt,
                     bos_token=self.bos_token,

@@ -70,6 +70,9 @@ class Request:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     top_logprobs: int = 0
+    # an llguidance Lark grammar the reply must match (a forced tool call); the ring carries it once
+    # constrained decoding lands (s32-struct); until then it stays on the ingress side
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tokens, array) and self.tokens.typecode == _U32):

@@ -111,12 +111,11 @@ def test_unknown_extra_field_is_named(server: Any) -> None:
     assert "frobnicate" in eo.value.message
 
 
-TOOL = {"name": "get_time", "description": "the time", "input_schema": {"type": "object", "properties": {}}}
-OPENAI_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+FUNCTION = {"name": "get_time", "parameters": {"type": "object"}}
 
 
 @pytest.mark.parametrize(("field", "kwargs"), [
-    ("tools", {"tools": [TOOL]}),
+    ("container", {"extra_body": {"container": "c"}}),
     ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
 ])
 def test_refused_feature_anthropic(server: Any, field: str, kwargs: dict[str, Any]) -> None:
@@ -128,7 +127,7 @@ def test_refused_feature_anthropic(server: Any, field: str, kwargs: dict[str, An
     assert e.value.body["error"]["message"].startswith(f"{field}: not supported")
 
 
-@pytest.mark.parametrize(("field", "kwargs"), [("tools", {"tools": [OPENAI_TOOL]}),
+@pytest.mark.parametrize(("field", "kwargs"), [("functions", {"extra_body": {"functions": [FUNCTION]}}),
                                                ("logit_bias", {"logit_bias": {"5": 1}})])
 def test_refused_feature_openai(server: Any, field: str, kwargs: dict[str, Any]) -> None:
     _, o = sdk_clients(server, timeout=TIMEOUT_S)

@@ -28,14 +28,16 @@ leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
 anything = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                       st.dictionaries(st.text(max_size=6), inner, max_size=3)),
                         max_leaves=8)
-text_block = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "image_url"]) | anything,
-                                    "text": st.text(max_size=20) | anything},
-                                   optional={"cache_control": anything})
+text_block = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "image_url", "tool_use", "tool_result"])
+                                    | anything, "text": st.text(max_size=20) | anything},
+                                   optional={"cache_control": anything, "id": anything, "name": anything,
+                                             "input": anything, "tool_use_id": anything, "content": anything})
 content = st.one_of(st.text(max_size=30), st.lists(text_block | anything, max_size=3), anything)
 message = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer",
                                                                      "tool"]) | anything,
                                            "content": content},
-                                          optional={"name": anything, "extra": anything}),
+                                          optional={"name": anything, "extra": anything, "tool_calls": anything,
+                                                    "tool_call_id": anything}),
                     anything)
 messages = st.one_of(st.lists(message, min_size=1, max_size=4), anything)
 
@@ -46,7 +48,8 @@ FIELDS = {
                   "stream": st.booleans() | anything,
                   "temperature": st.floats(0, 1) | anything, "top_p": st.floats(0, 1) | anything,
                   "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2) | anything,
-                  "top_k": st.integers(-2, 50) | anything, "tools": anything, "thinking": anything, "service_tier": anything},
+                  "top_k": st.integers(-2, 50) | anything, "tools": anything, "tool_choice": anything, "thinking": anything,
+                  "service_tier": anything},
     "openai": {"max_tokens": st.integers(-2, 8) | anything, "max_completion_tokens": st.integers(-2, 8) | anything,
                "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=5) | anything,
                "stream": st.booleans() | anything,
@@ -57,7 +60,8 @@ FIELDS = {
                "response_format": st.just({"type": "text"}) | anything, "logprobs": st.booleans() | anything,
                "top_logprobs": st.integers(-1, 22) | anything, "top_k": st.integers(-2, 50) | anything,
                "user": anything,
-               "tools": anything, "modalities": st.just(["text"]) | anything},
+               "tools": anything, "tool_choice": anything, "parallel_tool_calls": anything,
+               "modalities": st.just(["text"]) | anything},
     "completions": {"prompt": st.text(max_size=20) | st.lists(st.integers(-1, 300), max_size=6)
                     | st.lists(st.text(max_size=5) | st.lists(st.integers(0, 300), max_size=4), max_size=3) | anything,
                     "max_tokens": st.integers(-1, 8) | anything, "echo": st.booleans() | anything,

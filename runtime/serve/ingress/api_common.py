@@ -58,6 +58,9 @@ class GenerationSpec:
     n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
     echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
+    tools: Any = None  # a tools.ToolSetup (tools.py imports this module): replies parse calls when offered
+    # an llguidance Lark grammar the reply must match (a forced tool call: tools.tool_call_grammar)
+    grammar: str | None = None
 
 
 @dataclass(slots=True)
@@ -67,10 +70,11 @@ class ChatPrompt:
     A completion's prompt is no chat: ``text`` (encoded as is, the tokenizer's special tokens
     added) or ``ids`` (token ids, sent as they are)."""
 
-    chat: list[dict[str, str]]
+    chat: list[dict[str, Any]]
     prefill: str | None = None
     text: str | None = None
     ids: list[int] | None = None
+    tools: Any = None  # the request's tools.ToolSetup: rendered with the chat (prompts.py)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
 """OpenAI's Chat Completions API (`POST /v1/chat/completions`) as one `Api` object, OPENAI:
 validation into a GenerationSpec, `chat.completion.chunk` SSE events ending in `data: [DONE]` (with
 a usage chunk when `stream_options.include_usage`), the non-streaming completion, OpenAI-shaped
-errors, and the model list in OpenAI's shape."""
+errors, and the model list in OpenAI's shape. With tools offered, each choice's text goes through a
+ToolCallStream (toolcalls.py): a whole call streams as `delta.tool_calls[i]` (its id and name, then
+its `function.arguments`), and the choice finishes with `tool_calls`."""
 
 from __future__ import annotations
 
@@ -29,20 +31,22 @@ from .api_common import (
     request_fields,
     text_of,
 )
+from .toolcalls import ToolCallStream, split_reply
+from .tools import ToolSetup, openai_tools
 
 # Fields that do not change what a text-only, non-reasoning model computes: accepted, ignored.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-                            "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity",
-                            "parallel_tool_calls"})
+                            "prompt_cache_retention", "prompt_cache_options", "reasoning_effort", "verbosity"})
 # Asking for what zlc does not do: refused with their name when set (never silently dropped).
-REFUSED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+REFUSED_FIELDS = ("functions", "function_call", "audio", "prediction",
                   "web_search_options", "logit_bias", "moderation")
 KNOWN_FIELDS = frozenset({"model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
+                          "tools", "tool_choice", "parallel_tool_calls",
                           "stream_options", "temperature", "top_p", "top_k", "seed", "n", "frequency_penalty",
                           "presence_penalty", "logprobs", "top_logprobs", "response_format", "modalities",
                           *IGNORED_FIELDS, *REFUSED_FIELDS})
 FINISH_REASON = {"eos": "stop", "max_tokens": "length", "stop_sequence": "stop"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Anthropic error type -> (OpenAI type, code)
 _KINDS = {
     "invalid_request_error": ("invalid_request_error", None),
@@ -69,7 +73,7 @@ class CompletionReply:
     """One reply's wire form (api_common.Reply)."""
 
     def __init__(self, model: str, input_tokens: int, include_usage: bool = False, n: int = 1,
-                 logprobs: bool = False):
+                 logprobs: bool = False, tools: ToolSetup | None = None):
         self.id = "chatcmpl-" + secrets.token_hex(12)
         self.model = model
         self.created = int(time.time())
@@ -80,6 +84,10 @@ class CompletionReply:
         self._prefix = (b'data: {"id":"' + self.id.encode() + b'","object":"chat.completion.chunk","created":'
                         + str(self.created).encode() + b',"model":' + orjson.dumps(model))
         self._usage_null = b',"usage":null' if include_usage else b""
+        self.fmt = tools.fmt if tools is not None and tools.offered else None
+        # per choice: its parser and how many calls it made
+        self.calls = [ToolCallStream(self.fmt) for _ in range(n)] if self.fmt else []
+        self.called = [0] * n
 
     def _chunk(self, delta: dict[str, Any], finish: str | None, index: int = 0,
                logprobs: list[TokenLogprob] | None = None) -> bytes:
@@ -95,10 +103,34 @@ class CompletionReply:
         return b"".join(self._chunk({"role": "assistant", "content": ""}, None, i) for i in range(self.n))
 
     def stream_delta(self, text: str, index: int = 0, logprobs: list[TokenLogprob] | None = None) -> bytes:
-        return self._chunk({"content": text}, None, index, logprobs)
+        if not self.calls:
+            return self._chunk({"content": text}, None, index, logprobs)
+        out = self._events(self.calls[index].feed(text), index, logprobs)
+        if not out and logprobs and self.logprobs:  # the text is held (a call may be coming): its logprobs go now
+            out = self._chunk({"content": ""}, None, index, logprobs)
+        return out
+
+    def _events(self, events: list[tuple[str, Any]], index: int, logprobs: list[TokenLogprob] | None) -> bytes:
+        out = b""
+        for kind, v in events:
+            if kind == "text":
+                out += self._chunk({"content": v}, None, index, logprobs)
+            else:
+                k = self.called[index]
+                self.called[index] += 1
+                out += (self._chunk({"tool_calls": [{"index": k, "id": call_id(), "type": "function",
+                                                     "function": {"name": v.name, "arguments": ""}}]},
+                                    None, index, logprobs)
+                        + self._chunk({"tool_calls": [{"index": k, "function": {"arguments": v.arguments_json}}]},
+                                      None, index))
+            logprobs = None
+        return out
 
     def stream_end(self, outcome: Outcome, output_tokens: int, last: bool = True) -> bytes:
-        out = self._chunk({}, FINISH_REASON[outcome.reason], outcome.index, outcome.logprobs)
+        i = outcome.index
+        out = self._events(self.calls[i].finish(), i, None) if self.calls else b""
+        reason = "tool_calls" if self.calls and self.called[i] else FINISH_REASON[outcome.reason]
+        out += self._chunk({}, reason, i, outcome.logprobs)
         if not last:
             return out
         if self.include_usage:
@@ -108,11 +140,57 @@ class CompletionReply:
     def body(self, outcomes: list[Outcome], output_tokens: int) -> bytes:
         return orjson.dumps({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
-                         "logprobs": chat_logprobs(o.logprobs) if self.logprobs else None,
-                         "finish_reason": FINISH_REASON[o.reason]} for o in outcomes],
+            "choices": [self._choice(o) for o in outcomes],
             "usage": self._usage(output_tokens),
         })
+
+
+    def _choice(self, o: Outcome) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": o.text, "refusal": None}
+        reason = FINISH_REASON[o.reason]
+        if self.fmt:
+            events = split_reply(o.text, self.fmt)
+            calls = [{"id": call_id(), "type": "function", "function": {"name": v.name, "arguments": v.arguments_json}}
+                     for kind, v in events if kind == "call"]
+            if calls:
+                text = "".join(v for kind, v in events if kind == "text")
+                message.update(content=text or None, tool_calls=calls)
+                reason = "tool_calls"
+        return {"index": o.index, "message": message, "logprobs": chat_logprobs(o.logprobs) if self.logprobs else None,
+                "finish_reason": reason}
+
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _message(m: dict[str, Any], role: str, i: int) -> dict[str, Any]:
+    """An assistant message with tool_calls, or a tool message, in the chat's HF shape."""
+    content = m.get("content")
+    text = "" if content is None else text_of(content, f"messages[{i}]")
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise invalid(f"messages[{i}].tool_call_id: Field required", "messages")
+        return {"role": "tool", "tool_call_id": m["tool_call_id"], "name": m["name"] if isinstance(m.get("name"), str) else "",
+                "content": text}
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list):
+        raise invalid(f"messages[{i}].tool_calls: Input should be a valid list", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise invalid(f"{where}: Input should be {{\"id\", \"type\": \"function\", \"function\": "
+                          "{\"name\", \"arguments\": a JSON string}}", "messages")
+        try:
+            args = orjson.loads(fn["arguments"])
+        except orjson.JSONDecodeError:
+            raise invalid(f"{where}.function.arguments: not valid JSON", "messages") from None
+        if not isinstance(args, dict):
+            raise invalid(f"{where}.function.arguments: Input should be a JSON object", "messages")
+        out.append({"id": c.get("id") or call_id(), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return {"role": "assistant", "content": text, "tool_calls": out}
 
 
 class OpenAiApi:
@@ -141,8 +219,9 @@ class OpenAiApi:
         max_tokens = get_int(body, "max_completion_tokens", lo=1)
         if max_tokens is None:
             max_tokens = get_int(body, "max_tokens", lo=1)
+        tools = openai_tools(body)
         messages = get_messages(body)
-        chat = []
+        chat: list[dict[str, Any]] = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise invalid(f"messages[{i}]: Input should be an object", "messages")
@@ -150,7 +229,10 @@ class OpenAiApi:
             role = ROLES.get(given) if isinstance(given, str) else None
             if role is None:
                 raise invalid(f"messages[{i}].role: {m.get('role')!r} is not supported "
-                              "(system, developer, user, assistant)", "messages")
+                              "(system, developer, user, assistant, tool)", "messages")
+            if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+                chat.append(_message(m, role, i))
+                continue
             content = m.get("content")
             if content is None:
                 raise invalid(f"messages[{i}].content: Field required", "messages")
@@ -180,11 +262,12 @@ class OpenAiApi:
             seed=seed % 2**64 if seed is not None else secrets.randbits(63),
             stop_sequences=get_stops(body.get("stop"), "stop", 4),
             include_usage=bool(opts and opts.get("include_usage")),
+            tools=tools,
         )
-        return spec, ChatPrompt(chat)
+        return spec, ChatPrompt(chat, tools=tools)
 
     def reply(self, model: str, spec: GenerationSpec) -> CompletionReply:
-        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage, spec.n, spec.logprobs)
+        return CompletionReply(model, len(spec.prompt_ids), spec.include_usage, spec.n, spec.logprobs, spec.tools)
 
     def status(self, e: ApiError) -> int:
         """OpenAI answers overload with 429 (its SDK retries 429 with backoff), not Anthropic's 529."""

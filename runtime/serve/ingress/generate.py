@@ -152,6 +152,11 @@ class HttpGeneration:
             server.check_accepting()
         except ApiError as e:
             return self.fail(e)
+        if spec.tools is not None:  # the template's tool format is known now (prompts.py rendered it)
+            spec.grammar = spec.tools.grammar
+            if spec.tools.offered and spec.tools.fmt == "mistral":  # [TOOL_CALLS] is a special token
+                for c in self.choices:
+                    c.text = TextStream(server.tokenizer, spec.stop_sequences, skip_special_tokens=False)
         self.reply = self.api.reply(server.model, spec)
         self.headers = server.id_headers(self.reply.id)
         server.metrics.prompt_tokens.inc(len(spec.prompt_ids))
@@ -166,7 +171,7 @@ class HttpGeneration:
                                                                   spec.logprobs else 0)
         request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p,
                           (spec.seed + choice.index) % 2**64, flags, spec.top_k, spec.frequency_penalty,
-                          spec.presence_penalty, spec.top_logprobs)
+                          spec.presence_penalty, spec.top_logprobs, spec.grammar)
         if not server.engine.submit(request, choice):
             self.fail(overloaded(server) if server.engine.up else server.unavailable())
             return False

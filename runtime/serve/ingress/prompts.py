@@ -25,6 +25,7 @@ from typing import Any
 from zlc.errors import ZlcError
 
 from .api_common import ApiError, ChatPrompt, invalid
+from .tools import render_args
 
 THREAD_BYTES = 64 * 1024
 NORMALIZER_SLACK = 4
@@ -53,22 +54,32 @@ class PromptEncoder:
         if prompt.text is not None:
             return None
         if not tok.has_chat_template:
+            if prompt.tools is not None and prompt.tools.offered or any(
+                    m["role"] == "tool" or m.get("tool_calls") for m in prompt.chat):
+                raise invalid("tools: this bundle's tokenizer has no chat template, so tools and tool turns have no "
+                              "format to be rendered in (compile with a tokenizer that has one)", "tools")
             if prompt.prefill is not None:
                 raise invalid("a final assistant message (prefill) needs a chat template, and this bundle's "
                               "tokenizer has none")
             return None
         try:
             if prompt.prefill is None:
-                return [tok.apply_chat_template(prompt.chat, add_generation_prompt=True)]
-            head = [tok.apply_chat_template(prompt.chat, add_generation_prompt=True)] if prompt.chat else []
+                return [self.render(prompt)]
+            head = [self.render(prompt)] if prompt.chat else []
             return head + [prompt.prefill.rstrip()]
         except ZlcError as e:  # the model's template refused the conversation (roles must alternate...)
             raise invalid(str(e)) from None
 
+    def render(self, prompt: ChatPrompt) -> str:
+        """The chat (and its tools: tools.render_args, in the template's format or the default) through
+        the template, generation prompt added."""
+        messages, tools = render_args(prompt.chat, prompt.tools, self.tokenizer.chat_template)
+        return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
+
     def check_size(self, prompt: ChatPrompt, texts: list[str] | None) -> int:
         """The prompt's text bytes; the "too long" error if no tokenization could fit them."""
         if texts is None:
-            texts = [prompt.text] if prompt.text is not None else [m["content"] for m in prompt.chat]
+            texts = [prompt.text] if prompt.text is not None else [m["content"] or "" for m in prompt.chat]
         n = sum(len(t.encode()) for t in texts)
         at_least = n // (self.max_token_bytes * NORMALIZER_SLACK)
         if at_least > self.max_seq:

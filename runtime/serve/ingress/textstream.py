@@ -11,8 +11,9 @@ from typing import Any
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop_sequences: list[str] | None = None):
-        self._decoder = tokenizer.stream_decoder(skip_special_tokens=True)
+    def __init__(self, tokenizer: Any, stop_sequences: list[str] | None = None, skip_special_tokens: bool = True):
+        """`skip_special_tokens` False: a tool call's special opener (Mistral's [TOOL_CALLS]) stays in the text."""
+        self._decoder = tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens)
         self.stops = [s for s in (stop_sequences or []) if s]
         self._held = ""
         self.stopped: str | None = None  # the stop sequence that ended the reply
