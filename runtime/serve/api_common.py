@@ -58,6 +58,10 @@ class GenerationSpec:
     n: int = 1  # choices (OpenAI): n engine requests, seeds seed, seed + 1, ...
     echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
+    # constrained decoding (constraints.py): an llguidance Lark grammar the output must match, and
+    # the request field it came from (a grammar that does not compile is a 400 naming it)
+    grammar: str | None = None
+    grammar_param: str = "response_format"
 
 
 @dataclass(slots=True)

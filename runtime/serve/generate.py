@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import orjson
 
-from .api_common import Api, ApiError, GenerationSpec, Outcome, Reply, TokenLogprob, fit_context
+from .api_common import Api, ApiError, GenerationSpec, Outcome, Reply, TokenLogprob, fit_context, invalid
+from .constraints import GrammarError
 from .http import HttpConnection, HttpRequest
 from .protocol import EngineError, RequestFlag, ResultFlag
 from .rings import Request
@@ -48,6 +49,9 @@ def engine_error(server: ServerState, code: int) -> ApiError:
                         f"(--kv-pages {pages}); send a shorter prompt or raise --kv-pages")
     if code == EngineError.UNAVAILABLE:
         return server.unavailable()
+    if code == EngineError.GRAMMAR:
+        return ApiError("api_error", "constrained decoding failed in the engine: the output grammar did not compile "
+                        "there or its matcher failed (see the server log)")
     return ApiError("api_error", "the engine failed while generating (see the server log)")
 
 
@@ -166,7 +170,7 @@ class HttpGeneration:
                                                                   spec.logprobs else 0)
         request = Request(rid, spec.prompt_ids, spec.max_tokens, spec.temperature, spec.top_p,
                           (spec.seed + choice.index) % 2**64, flags, spec.top_k, spec.frequency_penalty,
-                          spec.presence_penalty, spec.top_logprobs)
+                          spec.presence_penalty, spec.top_logprobs, spec.grammar)
         if not server.engine.submit(request, choice):
             self.fail(overloaded(server) if server.engine.up else server.unavailable())
             return False
@@ -232,7 +236,8 @@ class HttpGeneration:
             if not flags & ResultFlag.LAST:
                 server.engine.cancel(choice.rid)
         elif flags & ResultFlag.LAST:
-            reason = "eos" if eos else "max_tokens"
+            # COMPLETE: the grammar is complete (constrained decoding), an end as at end-of-sequence
+            reason = "eos" if eos or flags & ResultFlag.COMPLETE else "max_tokens"
             piece += text.finish()
             if text.stopped is not None:
                 reason = "stop_sequence"
@@ -273,6 +278,18 @@ class HttpGeneration:
         return self.prompt_text
 
 
+def check_grammar(server: ServerState, spec: GenerationSpec) -> None:
+    """A 400 naming spec.grammar_param unless llguidance compiles the grammar for the model's
+    tokenizer (here, before anything reaches the engine)."""
+    if server.grammars is None:
+        raise invalid(f"{spec.grammar_param}: this server cannot constrain output (llguidance is not installed or "
+                      "cannot load the bundle's tokenizer; see the server log)", spec.grammar_param)
+    try:
+        server.grammars.check(spec.grammar)
+    except GrammarError as e:
+        raise invalid(f"{spec.grammar_param}: {e}", spec.grammar_param) from None
+
+
 def generate(server: ServerState, req: HttpRequest, conn: HttpConnection,
              api: Api) -> Callable[[], None] | None:
     """POST /v1/messages, /v1/chat/completions or /v1/completions in `api`. Returns what to call if the client goes
@@ -289,6 +306,8 @@ def generate(server: ServerState, req: HttpRequest, conn: HttpConnection,
         except orjson.JSONDecodeError as e:
             raise ApiError("invalid_request_error", f"the request body is not valid JSON: {e}") from None
         spec, prompt = api.parse(body, server.model)
+        if spec.grammar is not None:
+            check_grammar(server, spec)
     except ApiError as e:
         server.metrics.requests.labels(api.name, e.kind).inc()
         error_response(conn, api, e)
