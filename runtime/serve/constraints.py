@@ -79,7 +79,6 @@ class Grammars:
         self.vocab = max(vocab, Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True))
         self.tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab, eos_token=list(eos) or None)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._executor: Any = None
 
     @staticmethod
     def of_bundle(bundle: Any) -> Grammars | None:
@@ -121,14 +120,13 @@ class Grammars:
         return m.deep_copy()
 
     def masks(self, matchers: list[Any]) -> np.ndarray:
-        """[len(matchers), vocab] bool: the tokens each matcher allows next, computed in one call
-        (llguidance's executor runs the rows in parallel and without the GIL)."""
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+        """[len(matchers), vocab] bool: the tokens each matcher allows next. Row after row (each call
+        drops the GIL): llguidance's parallel LLExecutor was slower on 2 cores (docs/serving.md)."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-        if self._executor is None:
-            self._executor = self._llg.LLExecutor(num_threads=4)
         bits = allocate_token_bitmask(len(matchers), self.vocab)
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        for i, m in enumerate(matchers):
+            fill_next_token_bitmask(m, bits, i)
         return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab].astype(bool)
 
 

@@ -1,9 +1,10 @@
-"""Constrained decoding in the scheduler (runtime/serve/constraints.py), driven directly over
-SequentialBatch on the tiny chat bundle's reference executor. Oracles: every constrained answer
-parses and validates against its schema (`jsonschema`) for every seed; a greedy constrained row is
-the argmax of the reference executor's logits over the tokens a fresh matcher allows at each step
-(the mask replayed through llguidance's single-row API, not the scheduler's batched one);
-constrained and unconstrained rows run side by side each equal their solo answers."""
+"""Constrained decoding in the scheduler (runtime/serve/constraints.py), driven directly over the
+engine's own backend for the tiny chat bundle on the CPU (NativeBatch: one kernel launch per step).
+Oracles: every constrained answer parses and validates against its schema (`jsonschema`) for every
+seed; a greedy constrained row is the argmax of a session's logits of the whole answer (decode
+equals prefill) over the tokens a fresh matcher allows at each step (the mask from llguidance's
+compute_bitmask, not the scheduler's path); constrained and unconstrained rows run side by side
+each equal their solo answers."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zlc.runtime.batch import SequentialBatch
+from zlc.runtime.batch import batch_backend
 from zlc.runtime.serve.constraints import GrammarError, Grammars, grammar_for_json_schema
-from zlc.runtime.serve.protocol import EngineError, ResultFlag
+from zlc.runtime.serve.protocol import EngineError, RequestFlag, ResultFlag
 from zlc.runtime.serve.rings import Request, RingRegion
 from zlc.runtime.serve.scheduler import Scheduler
 
@@ -51,19 +52,13 @@ def grammars(bundle: Any) -> Grammars:
 
 @pytest.fixture(scope="module")
 def session(bundle: Any) -> Any:
-    with bundle.session("reference") as s:
+    with bundle.session("cpu") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def batch(bundle: Any) -> Any:
-    made: list[Any] = []
-
-    def make() -> Any:
-        made.append(bundle.session("reference"))
-        return made[-1]
-
-    b = SequentialBatch(make, max_seq=bundle.max_seq, max_seqs=4, max_rows=24, page_size=16)
+    b = batch_backend(bundle, "cpu", threads=1, max_seqs=5, prefill_chunk=6)
     yield b
     b.close_all()
 
@@ -75,7 +70,7 @@ def run(bundle: Any, b: Any, grammars: Grammars, requests: list[Request]) -> dic
     def emit(rid: int, tok: int, flags: int, logprob: float = 0.0) -> None:
         out.setdefault(rid, []).append((tok, flags))
 
-    s = Scheduler(b, emit, eos=frozenset(bundle.eos_token_ids), vocab=bundle.vocab, max_batch=4, prefill_chunk=6,
+    s = Scheduler(b, emit, eos=frozenset(bundle.eos_token_ids), vocab=bundle.vocab, max_batch=5, prefill_chunk=6,
                   grammars=grammars)
     for r in requests:
         s.submit(r)
@@ -101,22 +96,38 @@ def prompt_of(i: int, n: int, vocab: int) -> list[int]:
     return [(i * 131 + k * 17 + 3) % 256 for k in range(n)]
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), i=st.integers(0, 40))
-def test_constrained_rows_validate_and_equal_their_solo_answers(bundle: Any, batch: Any, grammars: Grammars,
-                                                                session: Any, seed: int, i: int) -> None:
+def test_sampled_constrained_answers_validate_for_every_seed(bundle: Any, batch: Any, grammars: Grammars, seed: int,
+                                                             i: int) -> None:
     grammar = grammar_for_json_schema(SCHEMA)
-    p1, p2 = prompt_of(i, 5, bundle.vocab), prompt_of(i + 1, 7, bundle.vocab)
-    rows = [Request(1, p1, MAX_NEW, grammar=grammar),  # constrained greedy
-            Request(2, p2, MAX_NEW, temperature=1.0, top_p=0.95, seed=seed, grammar=grammar),  # constrained sampled
-            Request(3, p2, 12),  # unconstrained greedy
-            Request(4, p1, 12, temperature=0.9, seed=seed)]  # unconstrained sampled
-    together = run(bundle, batch, grammars, rows)
+    rows = [Request(k, prompt_of(i + k, 4, bundle.vocab), MAX_NEW, temperature=1.0, top_p=0.95,
+                    seed=(seed + k) % 2**64, grammar=grammar) for k in range(3)]
+    out = run(bundle, batch, grammars, rows)
     for r in rows:
+        jsonschema.validate(answer(bundle, out[r.request_id]), SCHEMA)
+
+
+def test_constrained_and_plain_rows_side_by_side_equal_their_solo_answers(bundle: Any, batch: Any,
+                                                                          grammars: Grammars, session: Any) -> None:
+    grammar = grammar_for_json_schema(SCHEMA)
+    p1, p2 = prompt_of(1, 5, bundle.vocab), prompt_of(2, 7, bundle.vocab)
+    rows = [Request(1, p1, MAX_NEW, grammar=grammar),  # constrained greedy
+            Request(2, p2, MAX_NEW, temperature=1.0, top_p=0.95, seed=7, grammar=grammar),  # constrained sampled
+            Request(3, p2, 12),  # plain greedy
+            Request(4, p1, 12, temperature=0.9, seed=7),  # plain sampled
+            # constrained through the options' path (sampling.RowSampler): top_k and logprobs
+            Request(5, p2, MAX_NEW, temperature=0.8, seed=3, top_k=5, flags=RequestFlag.LOGPROBS, top_logprobs=2,
+                    grammar=grammar)]
+    together = run(bundle, batch, grammars, rows)
+    for r in (rows[1], rows[3], rows[4]):
         assert together[r.request_id] == run(bundle, batch, grammars, [r])[r.request_id], r.request_id
-    for rid in (1, 2):
-        jsonschema.validate(answer(bundle, together[rid]), SCHEMA)
-    # the greedy constrained row: the masked argmax of the reference logits at every step
+    for rid in (1, 2, 5):
+        jsonschema.validate(answer(bundle, [(t, f) for t, f in together[rid] if not f & ResultFlag.TOP]), SCHEMA)
+    # the greedy rows: the plain one is the session's own greedy answer; the constrained one the
+    # argmax of the reference logits over the tokens a fresh matcher allows, step by step
+    session.reset()
+    assert tokens(together[3]) == list(session.stream(p2, 12, eos=bundle.eos_token_ids))
     got = tokens(together[1])
     session.reset()
     _, lg = session.prefill(p1 + got[:-1], all_logits=True, want_logits=True)
@@ -127,9 +138,7 @@ def test_constrained_rows_validate_and_equal_their_solo_answers(bundle: Any, bat
         allowed = bits[:bundle.vocab].astype(bool)
         assert tok == int(np.argmax(np.where(allowed, lg[k], -np.inf))), k
         assert m.consume_token(tok)
-    # the unconstrained rows are the plain greedy / sampled answers
-    session.reset()
-    assert tokens(together[3]) == list(session.stream(p2, 12, eos=bundle.eos_token_ids))
+    assert m.is_stopped()
 
 
 def test_an_uncompilable_grammar_in_the_engine_is_one_error_result(bundle: Any, batch: Any,
