@@ -55,7 +55,8 @@ def grammar_for_json_schema(schema: Any, *, lenient: bool = False) -> str:
     given = schema.get("x-guidance")
     if isinstance(given, dict):
         options.update(given)
-    return "start: %json " + json.dumps({**schema, "x-guidance": options}, ensure_ascii=False)
+    # json.dumps' ASCII output: a lone surrogate in a key stays an escape, never a str that cannot encode
+    return "start: %json " + json.dumps({**schema, "x-guidance": options})
 
 
 def _one_line(message: str) -> str:
