@@ -65,7 +65,7 @@ def _one_line(message: str) -> str:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance sees it (built once per process: ~0.7 s for a 49k
+    """The model's tokenizer as llguidance sees it (built once per process: 0.7-1.7 s for a 49k
     vocabulary, with the GIL held, so a process builds it when it starts) and the grammars compiled
     against it."""
 

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         backend.step([(seq, [0])], [False])
         backend.close(seq)
         stats = EngineStats(args.stats_fd) if args.stats_fd is not None else None
-        try:  # now: building it holds the GIL (~0.7 s for a 49k vocabulary)
+        try:  # now: building it holds the GIL (0.7-1.7 s for a 49k vocabulary)
             grammars = Grammars.of_bundle(bundle)
         except Exception as e:  # the engine serves without constrained decoding
             Engine._log(f"no constrained decoding: llguidance cannot load the tokenizer: {e}")

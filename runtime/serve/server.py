@@ -134,7 +134,7 @@ class Server:
         self._closed: asyncio.Event | None = None
 
     def _grammars(self) -> Grammars | None:
-        """The tokenizer for llguidance, built now (~0.7 s for a 49k vocabulary, holding the GIL: at
+        """The tokenizer for llguidance, built now (0.7-1.7 s for a 49k vocabulary, holding the GIL: at
         start, not on the first response_format request); None serves without constrained decoding."""
         try:
             return Grammars.of_bundle(self.bundle)
