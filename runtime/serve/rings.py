@@ -80,7 +80,7 @@ class Request:
             self.tokens = _u32_array(self.tokens, self.request_id)
 
     def _fields(self) -> tuple[Any, ...]:
-        tokens, flags = self.tokens, self.flags & ~RequestFlag.GRAMMAR
+        tokens, flags = self.tokens, self.flags & ~int(RequestFlag.GRAMMAR)
         if self.grammar is not None:  # [its byte count, its bytes in u32 words (zero-padded), the prompt...]
             data = self.grammar.encode()
             tokens = array(_U32, [len(data)])
@@ -100,7 +100,7 @@ class Request:
         n = tokens[0] if tokens else 0
         words = 1 + (n + 3) // 4
         grammar = tokens[1:words].tobytes()[:n].decode(errors="replace")
-        return Request(t[0], tokens[words:], t[2], t[3], t[4], t[5], flags & ~RequestFlag.GRAMMAR, *t[7:],
+        return Request(t[0], tokens[words:], t[2], t[3], t[4], t[5], flags & ~int(RequestFlag.GRAMMAR), *t[7:],
                        grammar=grammar)
 
 
