@@ -63,8 +63,10 @@ def batch(bundle: Any) -> Any:
     b.close_all()
 
 
-def run(bundle: Any, b: Any, grammars: Grammars, requests: list[Request]) -> dict[int, list[tuple[int, int]]]:
-    """Every request's results (token, flags), all run side by side."""
+def run(bundle: Any, b: Any, grammars: Grammars, requests: list[Request], stats: list[Any] | None = None
+        ) -> dict[int, list[tuple[int, int]]]:
+    """Every request's results (token, flags), all run side by side (the scheduler's stats appended
+    to `stats`)."""
     out: dict[int, list[tuple[int, int]]] = {}
 
     def emit(rid: int, tok: int, flags: int, logprob: float = 0.0) -> None:
@@ -76,6 +78,8 @@ def run(bundle: Any, b: Any, grammars: Grammars, requests: list[Request]) -> dic
         s.submit(r)
     for _ in range(2000):
         if not s.step() and s.idle:
+            if stats is not None:
+                stats.append(s.stats)
             return out
     raise AssertionError("the scheduler did not go idle")
 
@@ -98,11 +102,11 @@ def prompt_of(i: int, n: int, vocab: int) -> list[int]:
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), i=st.integers(0, 40))
-def test_sampled_constrained_answers_validate_for_every_seed(bundle: Any, batch: Any, grammars: Grammars, seed: int,
-                                                             i: int) -> None:
+def test_constrained_answers_validate_for_every_seed(bundle: Any, batch: Any, grammars: Grammars, seed: int,
+                                                     i: int) -> None:
     grammar = grammar_for_json_schema(SCHEMA)
-    rows = [Request(k, prompt_of(i + k, 4, bundle.vocab), MAX_NEW, temperature=1.0, top_p=0.95,
-                    seed=(seed + k) % 2**64, grammar=grammar) for k in range(3)]
+    rows = [Request(k, prompt_of(i + k, 4, bundle.vocab), MAX_NEW, temperature=1.0 if k else 0.0, top_p=0.95,
+                    seed=(seed + k) % 2**64, grammar=grammar) for k in range(3)]  # row 0 greedy
     out = run(bundle, batch, grammars, rows)
     for r in rows:
         jsonschema.validate(answer(bundle, out[r.request_id]), SCHEMA)
@@ -139,6 +143,24 @@ def test_constrained_and_plain_rows_side_by_side_equal_their_solo_answers(bundle
         assert tok == int(np.argmax(np.where(allowed, lg[k], -np.inf))), k
         assert m.consume_token(tok)
     assert m.is_stopped()
+
+
+def test_preempted_constrained_rows_resume_their_matchers(bundle: Any, grammars: Grammars) -> None:
+    """A page budget too small for three answers at once preempts rows mid-answer: each recomputes
+    its context and goes on with its matcher where it was, giving its solo answer."""
+    grammar = grammar_for_json_schema(SCHEMA)
+    rows = [Request(k, prompt_of(k, 6, bundle.vocab), MAX_NEW, temperature=0.8, seed=k, grammar=grammar)
+            for k in range(1, 4)]
+    b = batch_backend(bundle, "cpu", threads=1, max_seqs=3, prefill_chunk=6, pages_total=8)
+    stats: list[Any] = []
+    try:
+        together = run(bundle, b, grammars, rows, stats)
+        assert stats[0].preemptions > 0
+        for r in rows:
+            jsonschema.validate(answer(bundle, together[r.request_id]), SCHEMA)
+            assert together[r.request_id] == run(bundle, b, grammars, [r])[r.request_id]
+    finally:
+        b.close_all()
 
 
 def test_an_uncompilable_grammar_in_the_engine_is_one_error_result(bundle: Any, batch: Any,
