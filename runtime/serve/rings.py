@@ -100,8 +100,8 @@ class Request:
         n = tokens[0] if tokens else 0
         words = 1 + (n + 3) // 4
         grammar = tokens[1:words].tobytes()[:n].decode(errors="replace")
-        return Request(t[0], tokens[words:], t[2], t[3], t[4], t[5], flags & ~int(RequestFlag.GRAMMAR), *t[7:],
-                       grammar=grammar)
+        return Request(t[0], tokens[words:], t[2], t[3], t[4], t[5], flags & ~int(RequestFlag.GRAMMAR), t[7], t[8],
+                       t[9], t[10], grammar)
 
 
 def _u32_array(tokens: Any, request_id: int) -> array[int]:
