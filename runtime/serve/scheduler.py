@@ -22,7 +22,7 @@ At every step the scheduler
      sampling.RowSampler, only for the rows that ask), emits the token, retires rows that hit a
      stop token or max_tokens and closes their sequence at once. A row with a grammar (constrained
      decoding, constraints.py) picks from its logits with the tokens its llguidance matcher does not
-     allow at -inf (the masks of the step's constrained rows computed in one call), advances the
+     allow at -inf (the masks of the step's constrained rows computed together), advances the
      matcher with the token, and ends when the grammar is complete (COMPLETE); the other rows of the
      step do none of this.
 
