@@ -98,8 +98,12 @@ class Grammars:
 
     def check(self, grammar: str) -> None:
         """Raises GrammarError (one line) unless llguidance compiles `grammar` for this tokenizer."""
-        if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
-            raise GrammarError(f"the grammar is {len(grammar.encode())} bytes; at most {MAX_GRAMMAR_BYTES}")
+        try:
+            size = len(grammar.encode())
+        except UnicodeEncodeError as e:  # a lone surrogate from a JSON escape
+            raise GrammarError(f"the grammar is not UTF-8 text: {e.reason} at character {e.start}") from None
+        if size > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"the grammar is {size} bytes; at most {MAX_GRAMMAR_BYTES}")
         llm = self._llg.LLMatcher
         failed, messages = llm.validate_grammar_with_warnings(llm.grammar_from_lark(grammar), self.tokenizer)
         if failed:

@@ -182,6 +182,8 @@ def test_grammar_check_names_what_llguidance_refuses(grammars: Grammars) -> None
         assert "\n" not in str(e.value) and "start: %json" not in str(e.value)
     with pytest.raises(GrammarError, match="at most 32768"):
         grammars.check(grammar_for_json_schema({"description": "x" * 40000}))
+    with pytest.raises(GrammarError, match="not UTF-8 text"):
+        grammars.check('start: "\ud800"')
 
 
 def test_the_ring_carries_the_grammar_before_the_prompt() -> None:
