@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a LOGPROBS request may ask for (OpenAI's limit)
+# The longest output grammar (UTF-8 bytes) a GRAMMAR request carries: the request ring is sized for
+# a prompt of max_seq tokens plus this many bytes (engine_client.request_ring_slots).
+MAX_GRAMMAR_BYTES = 32768
 
 
 class RequestFlag(enum.IntFlag):
@@ -22,6 +25,9 @@ class RequestFlag(enum.IntFlag):
     # PROMPT results first: the logprob of every prompt token after the first (completions' echo);
     # the prompt is then fed one token per step and never taken from the prefix cache
     PROMPT_LOGPROBS = 8
+    # The request carries an llguidance Lark grammar its output must match (constraints.py); on the
+    # ring its UTF-8 bytes go before the prompt's tokens (rings.Request packs and unpacks them)
+    GRAMMAR = 16
 
 
 class ResultFlag(enum.IntFlag):
@@ -37,6 +43,9 @@ class ResultFlag(enum.IntFlag):
     TOP = 16
     # A PROMPT_LOGPROBS request's prompt token (token) and its logprob, after its TOP alternatives
     PROMPT = 32
+    # A GRAMMAR request's grammar is complete with this token (nothing but an end-of-sequence token
+    # could follow): the reply ends here as at an end-of-sequence token (with LAST)
+    COMPLETE = 64
 
 
 class EngineError(enum.IntEnum):
@@ -48,6 +57,7 @@ class EngineError(enum.IntEnum):
     INTERNAL = 3  # the executor failed
     CANCELLED = 4  # a CANCEL request stopped it
     KV_BUDGET = 9  # the prompt needs more KV pages than the engine's whole budget (--kv-pages)
+    GRAMMAR = 10  # a GRAMMAR request's grammar did not compile, or its matcher failed while generating
     # Never sent by the engine: the ingress ends a request with it when the engine is lost (exited,
     # hung) or the server shuts down before the request finished.
     UNAVAILABLE = 8

@@ -57,7 +57,10 @@ class Request:
     """One generation request. ``tokens`` is stored as ``array('I')`` (u32 token ids); popped
     requests carry temperature, top_p and the penalties as the f32 values the slot holds.
     ``top_k`` 0 and penalties 0 leave the distribution alone; ``top_logprobs`` (0..20) alternatives
-    come with every token of a request flagged ``RequestFlag.LOGPROBS``."""
+    come with every token of a request flagged ``RequestFlag.LOGPROBS``. ``grammar``: an llguidance
+    Lark grammar the output must match (constraints.py), or None; the ring carries it in the token
+    words before the prompt, flagged ``RequestFlag.GRAMMAR`` (docs/rings.md), so the slot layout
+    stays as it is."""
 
     request_id: int
     tokens: Sequence[int]
@@ -70,8 +73,7 @@ class Request:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     top_logprobs: int = 0
-    # an llguidance Lark grammar the reply must match (a forced tool call); the ring carries it once
-    # constrained decoding lands (s32-struct); until then it stays on the ingress side
+    # an llguidance Lark grammar the reply must match (response_format, a forced tool call)
     grammar: str | None = None
 
     def __post_init__(self) -> None:
@@ -79,8 +81,28 @@ class Request:
             self.tokens = _u32_array(self.tokens, self.request_id)
 
     def _fields(self) -> tuple[Any, ...]:
-        return (self.request_id, self.tokens, self.max_tokens, self.temperature, self.top_p, self.seed, self.flags,
+        tokens, flags = self.tokens, self.flags & ~int(RequestFlag.GRAMMAR)
+        if self.grammar is not None:  # [its byte count, its bytes in u32 words (zero-padded), the prompt...]
+            data = self.grammar.encode()
+            tokens = array(_U32, [len(data)])
+            tokens.frombytes(data + bytes(-len(data) % 4))
+            tokens.extend(self.tokens)
+            flags |= RequestFlag.GRAMMAR
+        return (self.request_id, tokens, self.max_tokens, self.temperature, self.top_p, self.seed, flags,
                 self.top_k, self.frequency_penalty, self.presence_penalty, self.top_logprobs)
+
+    @staticmethod
+    def _popped(t: tuple[Any, ...]) -> Request:
+        """A request from the ring's tuple (the grammar taken off its tokens)."""
+        tokens = array(_U32, t[1])
+        flags = t[6]
+        if not flags & RequestFlag.GRAMMAR:
+            return Request(t[0], tokens, *t[2:])
+        n = tokens[0] if tokens else 0
+        words = 1 + (n + 3) // 4
+        grammar = tokens[1:words].tobytes()[:n].decode(errors="replace")
+        return Request(t[0], tokens[words:], t[2], t[3], t[4], t[5], flags & ~int(RequestFlag.GRAMMAR), t[7], t[8],
+                       t[9], t[10], grammar)
 
 
 def _u32_array(tokens: Any, request_id: int) -> array[int]:
@@ -223,13 +245,11 @@ class RequestRing(_Ring[Request]):
     def pop(self) -> Request | None:
         """The oldest request, or None if the ring is empty."""
         t = self.raw.pop()
-        if t is None:
-            return None
-        return Request(t[0], array(_U32, t[1]), *t[2:])
+        return None if t is None else Request._popped(t)
 
     def pop_many(self, max_n: int) -> list[Request]:
         """Up to max_n requests, oldest first (fewer if fewer are published; [] if none)."""
-        return [Request(t[0], array(_U32, t[1]), *t[2:]) for t in self.raw.pop_many(max_n)]
+        return [Request._popped(t) for t in self.raw.pop_many(max_n)]
 
 
 class ResultRing(_Ring[Result]):

@@ -124,7 +124,9 @@ def request_st(draw: Any, max_tokens: int = 300) -> Request:
         draw(st.floats(0, 4, width=32)),
         draw(st.floats(0, 1, width=32)),
         draw(u64),
-        draw(st.integers(0, 2**31 - 1)),
+        # GRAMMAR is no opaque bit: Request sets it exactly when it carries a grammar (in its words)
+        draw(st.integers(0, 2**31 - 1)) & ~int(RequestFlag.GRAMMAR),
+        grammar=draw(st.none() | st.text(max_size=30)),
     )
 
 
@@ -162,15 +164,16 @@ class RingMachine(RuleBasedStateMachine):
     # -- helpers --
 
     def need(self, r: Request) -> int:
-        return max(1, -(-len(r.tokens) // self.chunk))
+        words = len(r.tokens) + (0 if r.grammar is None else 1 + -(-len(r.grammar.encode()) // 4))
+        return max(1, -(-words // self.chunk))
 
     def req_used(self) -> int:
         return sum(self.need(r) for r in self.req_model)
 
     def check_req(self, got: Request | None, want: Request) -> None:
         assert got is not None
-        assert (got.request_id, list(got.tokens), got.max_tokens, got.seed, got.flags) == (
-            want.request_id, list(want.tokens), want.max_tokens, want.seed, want.flags)
+        assert (got.request_id, list(got.tokens), got.max_tokens, got.seed, got.flags, got.grammar) == (
+            want.request_id, list(want.tokens), want.max_tokens, want.seed, want.flags, want.grammar)
         assert (got.temperature, got.top_p) == (f32(want.temperature), f32(want.top_p))
 
     def check_res(self, got: Result | None, want: Result) -> None:

@@ -57,7 +57,9 @@ FIELDS = {
                "temperature": st.floats(0, 2) | anything, "top_p": st.floats(0, 1) | anything,
                "seed": st.integers(-2**64, 2**64) | anything, "n": st.integers(0, 3) | anything,
                "frequency_penalty": st.floats(-2, 2) | anything, "presence_penalty": anything,
-               "response_format": st.just({"type": "text"}) | anything, "logprobs": st.booleans() | anything,
+               "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+                   "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}]) | anything,
+               "logprobs": st.booleans() | anything,
                "top_logprobs": st.integers(-1, 22) | anything, "top_k": st.integers(-2, 50) | anything,
                "user": anything,
                "tools": anything, "tool_choice": anything, "parallel_tool_calls": anything,

@@ -2,7 +2,8 @@
 `zlc serve --device reference`: chat logprobs / top_logprobs through the openai SDK and a
 completion's echoed prompt logprobs (lm-evaluation-harness's loglikelihood request) equal the
 log-softmax of the reference executor's logits (1e-4); n choices with a seed equal the seeds sent
-one by one."""
+one by one; the openai SDK's structured-output example (`parse` with a pydantic model) on
+the native CPU kernel."""
 
 from __future__ import annotations
 
@@ -71,5 +72,39 @@ def test_smollm2_logprobs_and_n_through_the_sdk(smollm2: Path, server_process: A
         many = o.chat.completions.create(n=2, seed=5, **kw)
         assert [c.message.content for c in many.choices] == [
             o.chat.completions.create(seed=5 + i, **kw).choices[0].message.content for i in range(2)]
+    finally:
+        s.stop()
+
+
+def test_smollm2_structured_output_through_the_sdk(smollm2: Path, server_process: Any) -> None:
+    """The openai SDK's structured-output example unchanged (`chat.completions.parse` with a pydantic
+    model) against the real model on the native CPU kernel: the parsed object comes back, and the
+    greedy answer is the model's ({"country":"FRANCE","capital":"Paris"} when written)."""
+    pydantic = pytest.importorskip("pydantic")
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    class Capital(pydantic.BaseModel):
+        country: str
+        capital: str
+
+    s = server_process(smollm2, "--device", "cpu", "--model-name", "smollm2")
+    try:
+        o = openai.OpenAI(base_url=s.base_url + "/v1", api_key="k", max_retries=0, timeout=600)
+        msgs = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+        r = o.chat.completions.parse(model="smollm2", messages=msgs, response_format=Capital, temperature=0,
+                                     max_tokens=60)
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(r.choices[0].message.parsed, Capital) and r.choices[0].message.parsed.capital == "Paris"
+        schema = {"type": "object", "properties": {"answers": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "ok": {"type": "boolean"}},
+            "required": ["city", "ok"], "additionalProperties": False}}}, "required": ["answers"],
+            "additionalProperties": False}
+        for seed in range(3):
+            r2 = o.chat.completions.create(model="smollm2", messages=msgs, temperature=1.0, seed=seed, max_tokens=120,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "answers", "schema": schema, "strict": True}})
+            assert r2.choices[0].finish_reason == "stop", r2.choices[0].message.content
+            jsonschema.validate(json.loads(r2.choices[0].message.content), schema)
     finally:
         s.stop()

@@ -41,6 +41,7 @@ import sys
 import time
 from typing import Any
 
+from ..constraints import Grammars
 from ..engine_stats import EngineStats
 from ..protocol import EngineError, RequestFlag, ResultFlag
 from ..rings import RingRegion
@@ -67,7 +68,9 @@ class Engine:
 
     def __init__(self, backend: Any, region: RingRegion, *, eos: list[int], vocab: int, max_queue: int = 64,
                  max_batch: int = 8, prefill_chunk: int = 64, request_fd: int | None = None,
-                 result_fd: int | None = None, spin_us: float = 0.0, stats: EngineStats | None = None):
+                 result_fd: int | None = None, spin_us: float = 0.0, stats: EngineStats | None = None,
+                 grammars: Grammars | None = None):
+        """`grammars`: a constraints.Grammars for GRAMMAR requests (None: they are refused)."""
         self.backend = backend
         self.region = region
         self.max_queue = max_queue
@@ -75,7 +78,7 @@ class Engine:
         self.request_fd, self.result_fd = request_fd, result_fd
         self.spin_ns = int(spin_us * 1000)
         self.scheduler = Scheduler(backend, self._emit, eos=frozenset(eos), vocab=vocab, max_batch=max_batch,
-                                   prefill_chunk=prefill_chunk, log=self._log)
+                                   prefill_chunk=prefill_chunk, log=self._log, grammars=grammars)
         self.stats = stats
         self.host_ns = self.last_host_ns = 0  # the engine's time outside the executor's steps
         self.stopping = False
@@ -247,13 +250,18 @@ def main(argv: list[str] | None = None) -> int:
         backend.step([(seq, [0])], [False])
         backend.close(seq)
         stats = EngineStats(args.stats_fd) if args.stats_fd is not None else None
+        try:  # now: building it holds the GIL (0.7-1.7 s for a 49k vocabulary)
+            grammars = Grammars.of_bundle(bundle)
+        except Exception as e:  # the engine serves without constrained decoding
+            Engine._log(f"no constrained decoding: llguidance cannot load the tokenizer: {e}")
+            grammars = None
     except Exception as e:
         ready.write(f"error: {e}\n")
         ready.close()
         return 1
     engine = Engine(backend, region, eos=bundle.eos_token_ids, vocab=bundle.vocab, max_queue=args.max_queue,
                     max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, request_fd=args.request_fd,
-                    result_fd=args.result_fd, spin_us=args.spin_us, stats=stats)
+                    result_fd=args.result_fd, spin_us=args.spin_us, stats=stats, grammars=grammars)
     engine._publish()
     def on_term(*_: object) -> None:
         engine.stop()

@@ -20,7 +20,11 @@ At every step the scheduler
      ties, the kernel's own rule, so a greedy row gives the tokens it gives alone; temperature /
      top_p / seed with its own seeded generator; top_k, penalties and logprobs through a
      sampling.RowSampler, only for the rows that ask), emits the token, retires rows that hit a
-     stop token or max_tokens and closes their sequence at once.
+     stop token or max_tokens and closes their sequence at once. A row with a grammar (constrained
+     decoding, constraints.py) picks from its logits with the tokens its llguidance matcher does not
+     allow at -inf (the masks of the step's constrained rows computed together), advances the
+     matcher with the token, and ends when the grammar is complete (COMPLETE); the other rows of the
+     step do none of this.
 
 The host cost of all this per step (everything but backend.step) is measured: ``stats``.
 """
@@ -39,6 +43,7 @@ from zlc.reference.sampling import generator, sample
 from zlc.runtime.batch import BatchBackend, pages_for
 from zlc.runtime.kv_manager import BatchStep
 
+from ..constraints import GrammarError, Grammars, masked
 from ..protocol import EngineError, RequestFlag, ResultFlag
 from ..rings import Request
 from .sampling import MAX_TOP_LOGPROBS, RowSampler
@@ -61,6 +66,7 @@ class Job:
     sampler: RowSampler | None = None  # top_k, penalties, logprobs (None: none of them)
     prompt_logprobs: bool = False  # PROMPT_LOGPROBS: prompt rows of one token, each with its logits
     prompt_done: int = 0  # prompt positions whose PROMPT result is out (a preempted job does not repeat them)
+    matcher: Any = None  # llguidance.LLMatcher of a GRAMMAR request: what it generated so far consumed
     seq: int | None = None  # the backend's sequence while admitted
     fed: int = 0  # context tokens in the sequence's KV cache
 
@@ -91,8 +97,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, backend: BatchBackend, emit: Emit, *, eos: frozenset[int], vocab: int, max_batch: int = 8,
-                 prefill_chunk: int = 64, log: Callable[[str], None] = lambda msg: None):
+                 prefill_chunk: int = 64, log: Callable[[str], None] = lambda msg: None,
+                 grammars: Grammars | None = None):
+        """`grammars`: the model's tokenizer for llguidance (None: GRAMMAR requests are refused)."""
         self.backend, self.emit, self.eos, self.vocab, self.log = backend, emit, eos, vocab, log
+        self.grammars = grammars
         self.max_batch = max(1, min(max_batch, getattr(backend, "max_seqs", max_batch)))
         self.prefill_chunk = max(1, min(prefill_chunk, backend.max_rows))
         self.budget_tokens = backend.pages_total * backend.page_size
@@ -124,6 +133,15 @@ class Scheduler:
         elif pages_for(n, self.backend.page_size) > self.backend.pages_total:
             code, why = EngineError.KV_BUDGET, (f"prompt ({n} tokens) exceeds the whole KV budget "
                                                 f"({self.backend.pages_total} pages of {self.backend.page_size})")
+        matcher = None
+        if code is None and r.grammar is not None:
+            try:
+                if self.grammars is None:
+                    raise GrammarError("this engine cannot constrain output (no tokenizer in the bundle, or no "
+                                       "llguidance installed)")
+                matcher = self.grammars.matcher(r.grammar)
+            except GrammarError as e:
+                code, why = EngineError.GRAMMAR, f"grammar: {e}"
         if code is not None:
             self.log(f"request {r.request_id}: {why}")
             self.emit(r.request_id, int(code), ResultFlag.ERROR | ResultFlag.LAST)
@@ -145,7 +163,7 @@ class Scheduler:
                                 min(int(r.top_logprobs), MAX_TOP_LOGPROBS))
         self._order += 1
         self.waiting.append(Job(r, self._order, prompt, n, max_tokens, temperature, r.top_p, gen, sampler,
-                                prompt_lp))
+                                prompt_lp, matcher=matcher))
 
     def cancel(self, request_id: int) -> bool:
         """Stops the request (its sequence and pages are freed now); False if it is not here."""
@@ -190,10 +208,20 @@ class Scheduler:
             for job in jobs:
                 self._fail(job, EngineError.INTERNAL, f"{type(e).__name__}: {e}")
             return True
+        out = []
         for job, (_, ids), lg in zip(jobs, rows, logits, strict=True):
             job.fed += len(ids)
             if lg is not None:
-                self._produce(job, lg)
+                out.append((job, lg))
+        constrained = [job for job, _ in out if job.matcher is not None and job.fed == len(job.context)]
+        try:
+            allowed = self._masks(constrained)
+        except Exception as e:  # llguidance failed: those rows' requests end, the others go on
+            for job in constrained:
+                self._fail(job, EngineError.GRAMMAR, f"grammar: computing the mask failed: {type(e).__name__}: {e}")
+            allowed, out = {}, [(job, lg) for job, lg in out if job not in constrained]
+        for job, lg in out:
+            self._produce(job, lg, allowed.get(job))
         st = self.stats
         st.steps += 1
         st.rows += sum(len(ids) for _, ids in rows)
@@ -258,7 +286,14 @@ class Scheduler:
             chunk -= len(ids)
         return rows, jobs, want
 
-    def _produce(self, job: Job, logits: np.ndarray) -> None:
+    def _masks(self, jobs: list[Job]) -> dict[Job, np.ndarray]:
+        """The tokens each constrained job's grammar allows next ([vocab] bool), in one call."""
+        if not jobs:
+            return {}
+        assert self.grammars is not None  # a job has a matcher only when there are grammars
+        return dict(zip(jobs, self.grammars.masks([j.matcher for j in jobs]), strict=True))
+
+    def _produce(self, job: Job, logits: np.ndarray, allowed: np.ndarray | None = None) -> None:
         if job.fed < len(job.context):  # a prompt row of a PROMPT_LOGPROBS job: the next prompt token's logprob
             if job.fed > job.prompt_done and job.sampler is not None:
                 lp, alternatives = job.sampler.logprobs_of(logits, job.context[job.fed])
@@ -267,31 +302,53 @@ class Scheduler:
                 self.emit(job.rid, job.context[job.fed], ResultFlag.PROMPT, lp)
                 job.prompt_done = job.fed
             return
+        pick_from = logits
+        if allowed is not None:  # constrained: the grammar's tokens only
+            if not allowed[:logits.shape[0]].any():
+                self._fail(job, EngineError.GRAMMAR, "grammar: no token of the model's vocabulary is allowed next")
+                return
+            pick_from = masked(logits, allowed)
         if job.sampler is not None:
-            self._produce_with(job, job.sampler, logits)
+            self._produce_with(job, job.sampler, logits, pick_from)
             return
         if job.generator is None:
-            tok = int(np.argmax(logits))  # the first maximum: the lowest id on ties
+            tok = int(np.argmax(pick_from))  # the first maximum: the lowest id on ties
         else:
-            tok = sample(logits, job.temperature, job.top_p, job.generator)
-        self.emit(job.rid, tok, self._append(job, tok))
+            tok = sample(pick_from, job.temperature, job.top_p, job.generator)
+        done = self._advance(job, tok)
+        if done is not None:
+            self.emit(job.rid, tok, self._append(job, tok, done))
 
-    def _produce_with(self, job: Job, sampler: RowSampler, logits: np.ndarray) -> None:
+    def _produce_with(self, job: Job, sampler: RowSampler, logits: np.ndarray, pick_from: np.ndarray) -> None:
         """_produce for a row with options: its token from the adjusted logits, and with logprobs
-        the alternatives (TOP results) before the token's own result, which carries its logprob."""
-        tok = sampler.pick(logits, job.temperature, job.top_p, job.generator)
+        the alternatives (TOP results) before the token's own result, which carries its logprob
+        (both of the model's own logits, before any grammar mask)."""
+        tok = sampler.pick(pick_from, job.temperature, job.top_p, job.generator)
+        done = self._advance(job, tok)
+        if done is None:
+            return
         if not sampler.logprobs:
-            self.emit(job.rid, tok, self._append(job, tok))
+            self.emit(job.rid, tok, self._append(job, tok, done))
             return
         lp, alternatives = sampler.logprobs_of(logits, tok)
         for alt, alt_lp in alternatives:
             self.emit(job.rid, alt, ResultFlag.TOP, alt_lp)
-        self.emit(job.rid, tok, self._append(job, tok), lp)
+        self.emit(job.rid, tok, self._append(job, tok, done), lp)
 
-    def _append(self, job: Job, tok: int) -> int:
+    def _advance(self, job: Job, tok: int) -> int | None:
+        """Feeds `tok` to the job's matcher: COMPLETE when the grammar is then complete, 0 when it
+        goes on (or the job has none), None when the matcher failed (the job has ended with an error)."""
+        m = job.matcher
+        if m is None:
+            return 0
+        if not m.consume_token(tok):
+            self._fail(job, EngineError.GRAMMAR, f"grammar: the matcher refused token {tok}: {m.get_error()}")
+            return None
+        return ResultFlag.COMPLETE if m.is_stopped() and tok not in self.eos else 0
+
+    def _append(self, job: Job, tok: int, flags: int = 0) -> int:
         """Adds `tok` to the job's context; its result's flags (the job retired when LAST)."""
         job.context.append(tok)
-        flags = 0
         if tok in self.eos:
             flags |= ResultFlag.EOS
         if flags or job.produced >= job.max_tokens:

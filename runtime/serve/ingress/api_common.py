@@ -59,8 +59,10 @@ class GenerationSpec:
     echo: bool = False  # completions: the prompt comes back before the answer
     clipped: bool = False  # max_tokens was cut to what fits in the context
     tools: Any = None  # a tools.ToolSetup (tools.py imports this module): replies parse calls when offered
-    # an llguidance Lark grammar the reply must match (a forced tool call: tools.tool_call_grammar)
+    # constrained decoding (constraints.py): an llguidance Lark grammar the output must match, and
+    # the request field it came from (a grammar that does not compile is a 400 naming it)
     grammar: str | None = None
+    grammar_param: str = "response_format"
 
 
 @dataclass(slots=True)

@@ -7,12 +7,14 @@ its `function.arguments`), and the choice finishes with `tool_calls`."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
 
 import orjson
 
+from ..constraints import ANY_OBJECT, grammar_for_json_schema
 from ..protocol import MAX_TOP_LOGPROBS
 from .api_common import (
     MAX_N,
@@ -58,6 +60,46 @@ _KINDS = {
     "api_error": ("server_error", None),
     "overloaded_error": ("server_error", "overloaded"),
 }
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
+
+
+def response_format_grammar(v: Any) -> tuple[str | None, str]:
+    """`response_format` as the grammar the answer must match (None: plain text) and the field an
+    uncompilable schema is named by. json_object: any JSON object; json_schema: its schema, strict
+    or not (zlc constrains both; a non-strict schema's keywords llguidance does not implement are
+    ignored rather than refused)."""
+    if v is None:
+        return None, "response_format"
+    if not isinstance(v, dict):
+        raise invalid("response_format: Input should be an object", "response_format")
+    kind = v.get("type")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return grammar_for_json_schema(ANY_OBJECT), "response_format"
+    if kind != "json_schema":
+        raise invalid(f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                      "response_format.type")
+    where = "response_format.json_schema"
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise invalid(f"{where}: " + ("Field required" if js is None else "Input should be an object"), where)
+    extra = sorted(set(js) - _JSON_SCHEMA_FIELDS)
+    if extra:
+        raise invalid(f"{where}.{extra[0]}: Extra inputs are not permitted", where)
+    name = js.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise invalid(f"{where}.name: required, 1 to 64 of a-z, A-Z, 0-9, _ and -", where)
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid(f"{where}.strict: Input should be a valid boolean", where)
+    schema = js.get("schema", ANY_OBJECT)
+    if not isinstance(schema, dict):
+        raise invalid(f"{where}.schema: Input should be a JSON Schema object", where)
+    return grammar_for_json_schema(schema, lenient=not strict), where
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -205,8 +247,7 @@ class OpenAiApi:
             if body.get(unsupported) not in (None, [], {}, "none"):
                 raise invalid(f"{unsupported}: not supported by zlc serve (text generation only)",
                               unsupported)
-        if body.get("response_format") not in (None, {"type": "text"}):
-            raise invalid("response_format: only {\"type\": \"text\"} is supported", "response_format")
+        grammar, grammar_param = response_format_grammar(body.get("response_format"))
         if body.get("modalities") not in (None, ["text"]):
             raise invalid("modalities: only [\"text\"] is supported", "modalities")
         logprobs = get_bool(body, "logprobs")
@@ -263,6 +304,8 @@ class OpenAiApi:
             stop_sequences=get_stops(body.get("stop"), "stop", 4),
             include_usage=bool(opts and opts.get("include_usage")),
             tools=tools,
+            grammar=grammar,
+            grammar_param=grammar_param,
         )
         return spec, ChatPrompt(chat, tools=tools)
 

@@ -34,7 +34,7 @@ from typing import Protocol
 from zlc.errors import ZlcError
 
 from ..engine_stats import EngineStats
-from ..protocol import RequestFlag, ResultFlag
+from ..protocol import MAX_GRAMMAR_BYTES, RequestFlag, ResultFlag
 from ..rings import DEFAULT_CHUNK_TOKENS, Request, RingRegion
 
 PING_ID = 0  # request ids start at 1: results for id 0 are the engine's PONGs
@@ -67,7 +67,9 @@ class EngineClient:
         self.max_batch, self.kv_pages, self.prefill_chunk = max_batch, kv_pages, prefill_chunk
         self.prefix_cache_pages = prefix_cache_pages
         self.stats = EngineStats()  # the engine writes its counters here (/metrics reads them)
-        self.region = RingRegion.create(None, request_ring_slots(self.capacity, max_prompt), result_capacity)
+        # a GRAMMAR request's grammar rides in front of its prompt (rings.Request): room for the longest
+        self.region = RingRegion.create(None, request_ring_slots(self.capacity, max_prompt + 1 + MAX_GRAMMAR_BYTES // 4),
+                                        result_capacity)
         flags = os.EFD_NONBLOCK | os.EFD_CLOEXEC
         self.request_fd, self.result_fd = os.eventfd(0, flags), os.eventfd(0, flags)
         self.handlers: dict[int, ResultHandler] = {}

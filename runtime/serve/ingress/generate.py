@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import orjson
 
+from ..constraints import GrammarError
 from ..protocol import EngineError, RequestFlag, ResultFlag
 from ..rings import Request
-from .api_common import Api, ApiError, GenerationSpec, Outcome, Reply, TokenLogprob, fit_context
+from .api_common import Api, ApiError, GenerationSpec, Outcome, Reply, TokenLogprob, fit_context, invalid
 from .http import HttpConnection, HttpRequest
 from .state import ServerState
 from .textstream import TextStream
@@ -48,6 +49,9 @@ def engine_error(server: ServerState, code: int) -> ApiError:
                         f"(--kv-pages {pages}); send a shorter prompt or raise --kv-pages")
     if code == EngineError.UNAVAILABLE:
         return server.unavailable()
+    if code == EngineError.GRAMMAR:
+        return ApiError("api_error", "constrained decoding failed in the engine: the output grammar did not compile "
+                        "there or its matcher failed (see the server log)")
     return ApiError("api_error", "the engine failed while generating (see the server log)")
 
 
@@ -150,10 +154,13 @@ class HttpGeneration:
             spec.prompt_ids = ids
             fit_context(spec, server.max_seq)
             server.check_accepting()
+            if spec.tools is not None and spec.tools.grammar is not None:
+                # a forced call: its grammar is known once prompts.py has rendered the template's format
+                spec.grammar, spec.grammar_param = spec.tools.grammar, "tool_choice"
+                check_grammar(server, spec)
         except ApiError as e:
             return self.fail(e)
-        if spec.tools is not None:  # the template's tool format is known now (prompts.py rendered it)
-            spec.grammar = spec.tools.grammar
+        if spec.tools is not None:
             if spec.tools.offered and spec.tools.fmt == "mistral":  # [TOOL_CALLS] is a special token
                 for c in self.choices:
                     c.text = TextStream(server.tokenizer, spec.stop_sequences, skip_special_tokens=False)
@@ -237,7 +244,8 @@ class HttpGeneration:
             if not flags & ResultFlag.LAST:
                 server.engine.cancel(choice.rid)
         elif flags & ResultFlag.LAST:
-            reason = "eos" if eos else "max_tokens"
+            # COMPLETE: the grammar is complete (constrained decoding), an end as at end-of-sequence
+            reason = "eos" if eos or flags & ResultFlag.COMPLETE else "max_tokens"
             piece += text.finish()
             if text.stopped is not None:
                 reason = "stop_sequence"
@@ -278,6 +286,18 @@ class HttpGeneration:
         return self.prompt_text
 
 
+def check_grammar(server: ServerState, spec: GenerationSpec) -> None:
+    """A 400 naming spec.grammar_param unless llguidance compiles the grammar for the model's
+    tokenizer (here, before anything reaches the engine)."""
+    if server.grammars is None:
+        raise invalid(f"{spec.grammar_param}: this server cannot constrain output (llguidance is not installed or "
+                      "cannot load the bundle's tokenizer; see the server log)", spec.grammar_param)
+    try:
+        server.grammars.check(spec.grammar)
+    except GrammarError as e:
+        raise invalid(f"{spec.grammar_param}: {e}", spec.grammar_param) from None
+
+
 def generate(server: ServerState, req: HttpRequest, conn: HttpConnection,
              api: Api) -> Callable[[], None] | None:
     """POST /v1/messages, /v1/chat/completions or /v1/completions in `api`. Returns what to call if the client goes
@@ -294,6 +314,8 @@ def generate(server: ServerState, req: HttpRequest, conn: HttpConnection,
         except orjson.JSONDecodeError as e:
             raise ApiError("invalid_request_error", f"the request body is not valid JSON: {e}") from None
         spec, prompt = api.parse(body, server.model)
+        if spec.grammar is not None:
+            check_grammar(server, spec)
     except ApiError as e:
         server.metrics.requests.labels(api.name, e.kind).inc()
         error_response(conn, api, e)

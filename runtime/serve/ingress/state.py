@@ -25,6 +25,7 @@ class ServerState(Protocol):
     max_seq: int
     tokenizer: Any  # the bundle's BundleTokenizer, or None
     encoder: Any  # prompts.PromptEncoder, or None without a tokenizer
+    grammars: Any  # constraints.Grammars: grammars checked against the tokenizer, or None (none constrain)
     frame_key: bytes | None  # the frame MAC key (from --api-key), or None
     engine: EnginePool  # the engines (one per --devices part), routed between
     metrics: ServerMetrics
