@@ -178,4 +178,4 @@ def render(programs: Program | Sequence[Program], *, weight_dtype: str, version:
                        decode_waits_itself=k in _DECODE_WAITS_ITSELF)
                   for k in kinds],
         gemv_sources=[gemv_source.body(g) for g in gemv],
-        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route, packed=bool(f.packed)), f=f)
+        gemv_dispatch=gemv_source.dispatch(gemv, moe_route=f.moe_route), f=f)

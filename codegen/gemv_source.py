@@ -346,24 +346,24 @@ def condition(g: GemvBody, moe_route: bool) -> str:
     return " & ".join(terms)
 
 
-def dispatch(bodies: Sequence[GemvBody], moe_route: bool, packed: bool = False) -> str:
+def dispatch(bodies: Sequence[GemvBody], moe_route: bool) -> str:
     """_linear_gemv's chain, up to the generic body's branch (whose statements follow it in the
-    template): an `if` / `elif` per body, then `else:` (`if True:` without bodies). No trailing
-    newline. `packed`: first, a task whose weights are packed blocks (`wf`, read by the template)
-    takes their own body, _linear_q (the specialized bodies read dense weights only)."""
+    template): first, a task whose weights are packed blocks (`wf`, read by the template) takes
+    their own body, _linear_q (the specialized bodies read dense weights only); then an `elif` per
+    body, then `else:`. No trailing newline. Without HAS_PACKED the template's `wf` is the
+    constexpr 0, so Triton folds the packed branch away and compiles the chain from its first body."""
     out = []
     if any(g.wide for g in bodies):
         out += ["# the LM head's wide body takes LM-head tasks only (where a tiling puts several blocks in a",
                 "# task, other tasks are as wide)",
                 "lm = tl.load(di + DI_LINEAR_LM)"]
-    if packed:
-        out += ["if wf != 0:",
-                "    _linear_q(DI, DF, CNT, CTRL, Q, P, A, row, d, r, n0, n1, slot, BLOCK_N, BLOCK_K, KV_SPLITS, DEBUG, "
-                "SPECIALIZED)"]
+    out += ["if wf != 0:",
+            "    _linear_q(DI, DF, CNT, CTRL, Q, P, A, row, d, r, n0, n1, slot, BLOCK_N, BLOCK_K, KV_SPLITS, DEBUG, "
+            "SPECIALIZED)"]
     # the bodies with a fused down first: a task without one fails their test, so the others need none
-    for n, g in enumerate(sorted(bodies, key=lambda g: g.down, reverse=True)):
-        out += [f"{'elif' if n or packed else 'if'} {condition(g, moe_route)}:",
+    for g in sorted(bodies, key=lambda g: g.down, reverse=True):
+        out += [f"elif {condition(g, moe_route)}:",
                 f"    {g.name}(DI, DF, CNT, CTRL, row, W, P, A, d, r, n0, n1, slot, {g.wide or 'BLOCK_N'}, "
                 "KV_SPLITS, DEBUG)"]
-    out.append("else:" if bodies or packed else "if True:")
+    out.append("else:")
     return "\n".join(_indent(out))

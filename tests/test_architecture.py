@@ -204,6 +204,15 @@ def test_rooms_are_small_or_say_why() -> None:
     assert not big, "modules over the size limit without a stated reason:\n" + "\n".join(big)
 
 
+def test_templates_are_small_rooms() -> None:
+    """The kernel templates are rooms too: every *.jinja file at most MAX_LINES lines, no exemption
+    (a long kernel is a table of contents that includes one file per op body or concern)."""
+    files = sorted({p for folder, _ in FOLDERS for p in (ROOT / folder).rglob("*.jinja")})
+    assert any(p.name == "megakernel.c.jinja" for p in files) and any(p.name == "megakernel.py.jinja" for p in files)
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in files if (n := p.read_text().count("\n")) > MAX_LINES]
+    assert not big, "templates over the size limit (split them into included files):\n" + "\n".join(big)
+
+
 def test_the_layer_table_covers_every_package() -> None:
     packages = {m for m, (_, is_pkg) in ALL.items() if is_pkg}
     missing = sorted(p for p in packages if group(p) != p and not any(p.startswith(g + ".") for g in LAYER

@@ -72,11 +72,15 @@ def test_body_source(name: str) -> None:
 
 
 def test_dispatch_source() -> None:
-    """With fused-down bodies first; with and without MoE routing (a routed expert takes the
-    generic body)."""
+    """The packed body first (a constexpr-0 `wf` folds it away without HAS_PACKED), then the
+    fused-down bodies; with and without MoE routing (a routed expert takes the generic body)."""
     bodies = list(_bodies().values())
     src = gemv_source.dispatch(bodies, moe_route=False)
     assert src.splitlines()[-1] == "    else:"
     assert gemv_source.dispatch(bodies, moe_route=True) == src.replace("SPECIALIZED &", "SPECIALIZED & (route == 0) &")
     _golden("dispatch", src + "\n")
-    assert gemv_source.dispatch([], moe_route=False) == "    if True:"
+    assert gemv_source.dispatch([], moe_route=False).splitlines() == [
+        "    if wf != 0:",
+        "        _linear_q(DI, DF, CNT, CTRL, Q, P, A, row, d, r, n0, n1, slot, BLOCK_N, BLOCK_K, KV_SPLITS, DEBUG, "
+        "SPECIALIZED)",
+        "    else:"]

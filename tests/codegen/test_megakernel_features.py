@@ -37,6 +37,10 @@ MARKERS: dict[str, list[str]] = {
     "mlp_split_k": ["_down_add(W, P, A", "if copy != 0", "down = tl.load(di + DI_LINEAR_DOWN_ROWS)"],
 }
 ACT_MARKERS = {1: "x * tl.sigmoid(x)", 2: "tl.math.erf(", 3: "0.044715", 4: "tl.maximum(x, 0.0)"}
+# Packed weights (HAS_PACKED): the prefill tile's dequantization and its scale planes' offset. Without
+# them `wf` is the constexpr 0, so the dispatch's `if wf != 0:` (_linear_q, _gemv_q) folds away too.
+PACKED_MARKERS = ["n_all = tl.load(di + DI_LINEAR_N)", "w = _w_tile_q(Q, wf, w_off", "w2 = _w_tile_q(Q, wf, w2_off"]
+DENSE_ONLY = ["wf: tl.constexpr = 0"]
 NAMES = {code: name for name, code in pg.ACTIVATIONS.items()}
 FLAGS = [f.name for f in fields(Features) if f.name not in ("activations", "packed")]  # the bool features
 
@@ -80,6 +84,8 @@ def _check_source(src: str, f: Features) -> None:
         _check_marks(lines, getattr(f, name), marks, name)
     for code, m in ACT_MARKERS.items():
         _check_marks(lines, code in f.activations, [m], NAMES[code])
+    _check_marks(lines, bool(f.packed), PACKED_MARKERS, "packed")
+    _check_marks(lines, not f.packed, DENSE_ONLY, "dense weights only")
 
 
 def _check_marks(lines: list[str], on: bool, marks: list[str], what: str) -> None:
