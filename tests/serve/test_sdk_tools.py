@@ -245,20 +245,11 @@ def test_bad_tools_are_one_400_and_reach_no_engine(server: Any) -> None:
     assert metric(server, "zlc_prompt_tokens_total") == before
 
 
-def grammar_enforced() -> bool:
-    """Whether a request's grammar reaches the engine (the ring carries it: constrained decoding)."""
-    from zlc.runtime.serve.rings import Request
-
-    return "probe" in Request(1, [1], 1, grammar="probe")._fields()
-
-
 @pytest.mark.slow  # the module's server (above)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_tool_choice_is_a_valid_call(server: Any, stream: bool) -> None:
     """A forced call from a random model: the grammar makes it one call of the named tool whose
     arguments validate against its schema, in both SDKs' typed objects."""
-    if not grammar_enforced():
-        pytest.skip("the request ring does not carry a grammar yet (constrained decoding: s32-struct)")
     import jsonschema
 
     # bounded arguments (an enum, a small integer): a random model's call ends within max_tokens
