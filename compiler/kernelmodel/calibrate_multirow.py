@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nnot fitted (replicate runs; calibration.json says why):")
         print(table(rest, mr, f.terms))
     if a.write:
+        why = (mr.get("fit") or {}).get("outside_25", {})
+        every = list(zip(meas, f.residuals, strict=True)) + [
+            (m, v / float(m["value"]) - 1) for m, v in zip(rest, evaluate(f.terms, rest, mr), strict=True)]
         mr["fit"] = {"terms": terms, "free": list(a.free),
+                     "outside_25": {m["id"]: why.get(m["id"], "not explained yet: docs/kernel-model.md, Multi-row bodies")
+                                    for m, r in every if abs(r) > 0.25},
                      "command": "python -m zlc.kernelmodel.calibrate_multirow " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "residuals": {m["id"]: round(r, 4) for m, r in zip(meas, f.residuals, strict=True)},
                      "leave_one_out": None if loo is None else {m["id"]: round(r, 4) for m, r in zip(meas, loo, strict=True)},

@@ -30,7 +30,7 @@ from typing import Any
 
 from .latency import LatencyParams
 
-__all__ = ["BodyFacts", "Loop", "ModelShape", "MultiRowTerms", "Priced", "batch_step", "prefill",
+__all__ = ["BodyFacts", "Loop", "ModelShape", "MultiRowTerms", "Priced", "Pricer", "batch_step", "prefill",
            "sass_facts"]
 
 # tensor-core rate per SM per cycle (dense, the spec sheets: H100/H200 989 TFLOP/s bf16 and 495
@@ -126,10 +126,13 @@ def _fam(lp: LatencyParams, fam: str | None) -> str:
     return fam or ("sm_90" if lp.sms >= 100 else "sm_8x")
 
 
-class _Pricer:
+class Pricer:
+    """Prices one iteration of the multi-row loops, and the bodies built of them, on one case of a
+    target's calibrated parameters (a subclass prices other bodies: designs.Issue34)."""
+
     def __init__(self, lp: LatencyParams, terms: MultiRowTerms, facts: BodyFacts, dram_raw_us: float,
                  fam: str | None = None, precision: str = "tf32"):
-        self.lp, self.t, self.f = lp, terms, facts
+        self.lp, self.t, self.f, self.fam = lp, terms, facts, _fam(lp, fam)
         self.instr_us = facts.warps / lp.ipc / (lp.clock_ghz * 1e3)
         rate = MMA_FLOPS_PER_CLK[_fam(lp, fam)][precision]
         self.hmma_us = HMMA_FLOPS[precision] * facts.warps / rate / (lp.clock_ghz * 1e3)
@@ -198,7 +201,7 @@ class _Task:
     after: list[int]  # the tasks it waits for (one list object per level: its maximum is cached)
 
 
-def _table(pr: _Pricer, m: ModelShape, rows: int, chunk: int, lm_rows: int, attention: Priced) -> list[_Task]:
+def _table(pr: Pricer, m: ModelShape, rows: int, chunk: int, lm_rows: int, attention: Priced) -> list[_Task]:
     """The prefill table's tasks in table order (the scheduler's: per layer q, k, v, the cache
     appends, attention per (head, query block), o, gate/up, down; then the LM head and the argmax),
     each waiting for the level it reads, with its priced body."""
@@ -231,11 +234,11 @@ def _table(pr: _Pricer, m: ModelShape, rows: int, chunk: int, lm_rows: int, atte
     return tasks
 
 
-def _run(pr: _Pricer, tasks: list[_Task]) -> Priced:
+def _run(pr: Pricer, tasks: list[_Task]) -> Priced:
     """List scheduling of the table by the kernel's claim rule (event_sim's, without streams: the
-    grid's programs claim tasks in table order, each its next one when it starts one, so a program
-    holds a claimed task until the one it runs finishes); a task's body starts at the later of its
-    program's previous finish and its waits' last signal + signal -> poll, and it signals its body +
+    grid's programs claim tasks in table order, each its next one when it begins one (usable an
+    atomic's round trip later), so a program holds a claimed task until the one it runs finishes); a
+    task's body starts at the later of that and its waits' last signal + signal -> poll, and it signals its body +
     the per-task cost later. The critical chain's time split into the bodies' terms, the per-task
     cost, the launch, and the rest: waiting (signals, and programs held by tasks claimed ahead)."""
     lp = pr.lp
@@ -245,16 +248,17 @@ def _run(pr: _Pricer, tasks: list[_Task]) -> Priced:
     heapq.heapify(progs)
     cache: dict[int, tuple[float, int]] = {}
     for k, t in enumerate(tasks):
-        _, pid, free, last = heapq.heappop(progs)
+        claim, pid, free, last = heapq.heappop(progs)
         key = id(t.after)
         if key not in cache:
             j = max(t.after, key=lambda j: finish[j]) if t.after else -1
             cache[key] = (finish[j] + lp.sync_us if j >= 0 else 0.0, j)
         ready, dep = cache[key]
-        start = max(free, ready)
-        cause[k] = dep if ready >= free else last
+        begin = max(free, claim + lp.atomic_us)  # the claim's result, then the program is free
+        start = max(begin, ready)
+        cause[k] = dep if ready >= begin else last
         finish[k] = start + t.body.us + lp.task_us
-        heapq.heappush(progs, (max(free, 0.0), pid, finish[k], k))
+        heapq.heappush(progs, (begin, pid, finish[k], k))  # it claims its next task as it begins this one
     end = max(range(len(tasks)), key=lambda i: finish[i])
     out = Priced(lp.launch_us + finish[end], {"launch + sync": lp.launch_us})
     k, n = end, 0
@@ -268,18 +272,19 @@ def _run(pr: _Pricer, tasks: list[_Task]) -> Priced:
 
 
 def prefill(m: ModelShape, facts: BodyFacts, lp: LatencyParams, terms: MultiRowTerms, dram_raw_us: float,
-            tokens: int = 128, fam: str | None = None) -> Priced:
+            tokens: int = 128, fam: str | None = None, pricer: type[Pricer] | None = None) -> Priced:
     """µs of one prefill launch of `tokens` rows (TTFT: the LM head's last row only). `lp`: the
     calibrated parameters of a case; `dram_raw_us`: the same case's DRAM latency range, uncalibrated."""
-    pr = _Pricer(lp, terms, facts, dram_raw_us, fam)
+    pr = (pricer or Pricer)(lp, terms, facts, dram_raw_us, fam)
     return _run(pr, _table(pr, m, tokens, tokens, 1, pr.attention_prefill(tokens)))
 
 
 def batch_step(m: ModelShape, facts: BodyFacts, lp: LatencyParams, terms: MultiRowTerms, dram_raw_us: float,
-               batch: int, context: int, chunk: int = 128, fam: str | None = None) -> Priced:
+               batch: int, context: int, chunk: int = 128, fam: str | None = None,
+               pricer: type[Pricer] | None = None) -> Priced:
     """µs of one batched decode step: `batch` rows at `context` tokens each (every row's logits),
     over the prefill table of `chunk` rows (its query blocks past the rows exit at once)."""
-    pr = _Pricer(lp, terms, facts, dram_raw_us, fam)
+    pr = (pricer or Pricer)(lp, terms, facts, dram_raw_us, fam)
     return _run(pr, _table(pr, m, batch, chunk, batch, pr.attention_paged(min(batch, facts.block_t), context)))
 
 
