@@ -79,8 +79,8 @@ class BodyFacts:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> BodyFacts:
-        kw = {f.name: (Loop(**d[f.name]) if isinstance(d[f.name], dict) else d[f.name])
-              for f in fields(BodyFacts) if f.name in d}
+        kw: dict[str, Any] = {f.name: (Loop(**d[f.name]) if isinstance(d[f.name], dict) else d[f.name])
+                              for f in fields(BodyFacts) if f.name in d}
         return BodyFacts(**kw)
 
 
@@ -263,8 +263,8 @@ def _run(pr: Pricer, tasks: list[_Task]) -> Priced:
     out = Priced(lp.launch_us + finish[end], {"launch + sync": lp.launch_us})
     k, n = end, 0
     while k >= 0:
-        for key, v in tasks[k].body.parts.items():
-            out.parts[key] = out.parts.get(key, 0.0) + v
+        for term, v in tasks[k].body.parts.items():
+            out.parts[term] = out.parts.get(term, 0.0) + v
         k, n = cause[k], n + 1
     out.parts["per-task cost"] = lp.task_us * n
     out.parts["waiting (signals, claimed tasks)"] = max(0.0, out.us - sum(out.parts.values()))
