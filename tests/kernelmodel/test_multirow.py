@@ -96,3 +96,14 @@ def test_a_level_wider_than_the_grid_takes_one_wave_per_grid(waves: int, body_us
     out = _run(pr, tasks)
     start = lp.atomic_us + 1.0 + lp.task_us + lp.sync_us  # the first claim's round trip, the first task, its signal
     assert math.isclose(out.us, lp.launch_us + start + waves * (body_us + lp.task_us), rel_tol=1e-9)
+
+
+def test_the_table_has_the_measured_traces_task_counts() -> None:
+    """The synthesized prefill table of each measured shape has as many tasks as the H200 prefill
+    traces counted (docs/device-runs/2026-12-04-h200: 5,864 and 12,407 tasks)."""
+    from zlc.kernelmodel.multirow import Pricer, _table
+
+    lp, raw = params_for("h200", "central"), params_for("h200", "central", calibrated=False).dram_us
+    pr = Pricer(lp, TERMS, _facts(), raw)
+    for model, n in (("smollm2-135m", 5864), ("llama-1b-shape", 12407)):
+        assert len(_table(pr, ModelShape(**MR["models"][model]), 128, 128, 1, pr.attention_prefill(128))) == n
