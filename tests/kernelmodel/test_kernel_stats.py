@@ -488,6 +488,7 @@ def test_one_more_wait_is_never_faster(tasks: list[TaskShape], data: st.DataObje
     assert simulate_step(more, p).step_us >= simulate_step(tasks, p).step_us - 1e-9
 
 
+@pytest.mark.slow  # the prefill cubin's SASS mapped: ~20-30 s on 2 busy cores, on top of the module's compile
 def test_multirow_sass_facts_of_the_prefill_kernel(bundle: Path) -> None:
     """The multi-row bodies' loop facts (zlc.kernelmodel.multirow.sass_facts) read off the compiled
     h200 prefill cubin at the default GPU tiling: the tl.dot k-loop issues tensor-core MMAs at
