@@ -20,5 +20,9 @@ In the order data flows through it (each module imports only those before it):
     latency.py        the latency model: task shapes from paths and tables, the parameter ranges, the
                       prediction
     calibrate.py      the fit of the calibrated terms on the measured runs (python -m ...calibrate)
+    multirow.py       the prefill kernel's multi-row bodies (prefill, batched steps) priced from their
+                      loops' SASS facts over the prefill table's list schedule
+    calibrate_multirow.py  the fit of their terms on the measured prefill and batched runs
+    designs.py        issue 34's bodies priced by the calibrated model before they exist
     report.py         all of it per GPU target, with the target checks (JSON, rich tables, markdown)
 """

@@ -486,3 +486,30 @@ def test_one_more_wait_is_never_faster(tasks: list[TaskShape], data: st.DataObje
     more = [TaskShape(**{**vars(t), "waits": [*t.waits, [j]] if k == i else list(t.waits)})
             for k, t in enumerate(tasks)]
     assert simulate_step(more, p).step_us >= simulate_step(tasks, p).step_us - 1e-9
+
+
+@pytest.mark.slow  # the prefill cubin's SASS mapped: ~20-30 s on 2 busy cores, on top of the module's compile
+def test_multirow_sass_facts_of_the_prefill_kernel(bundle: Path) -> None:
+    """The multi-row bodies' loop facts (zlc.kernelmodel.multirow.sass_facts) read off the compiled
+    h200 prefill cubin at the default GPU tiling: the tl.dot k-loop issues tensor-core MMAs at
+    tf32x3 (a multiple of 3 per iteration), the gated arm a second product as many, no spills; every
+    loop the model prices is found; they price a prefill launch of the tiny shape."""
+    from zlc.bundle import read_manifest
+    from zlc.kernelmodel.calibration import load
+    from zlc.kernelmodel.latency import params_for
+    from zlc.kernelmodel.multirow import BodyFacts, ModelShape, MultiRowTerms, prefill, sass_facts
+    from zlc.kernelmodel.sass_map import KernelCode
+
+    man = read_manifest(bundle)
+    cx = man["tilings"][man["targets"]["h200"]["tiling"]]["constexprs"]
+    f = sass_facts(KernelCode(bundle, "h200", man, kernel="prefill"), cx)
+    assert (f["block_t"], f["block_n"], f["block_kd"]) == (16, 32, 32)
+    assert f["dot"]["hmma"] > 0 and f["dot"]["hmma"] % 3 == 0 and f["gated"]["hmma"] == f["dot"]["hmma"]
+    assert f["dot"]["local"] == 0 and f["dot"]["bars"] > 0
+    for loop in ("stats", "gemv", "paged_row", "paged_block", "append"):
+        assert f[loop]["instrs"] > 0, loop
+    rec = load()["multirow"]["sass"]["16x32x32"]  # the bench tiny model's, recorded: the same loop code
+    assert f["dot"]["hmma"] == rec["dot"]["hmma"]
+    lp, raw = params_for("h200", "central"), params_for("h200", "central", calibrated=False).dram_us
+    p = prefill(ModelShape(64, 2, 4, 2, 128, 256), BodyFacts.from_dict(f), lp, MultiRowTerms(2.0, 1.0), raw, 16)
+    assert p.us > lp.launch_us and p.parts["issue"] > 0
