@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..constraints import JSON_OPTIONS
 from .api_common import invalid
 from .toolcalls import OPENER, ToolCall, render_calls
 
@@ -250,7 +251,10 @@ def tool_call_grammar(tools: list[dict[str, Any]], choice: str, name: str | None
     """The llguidance Lark grammar of a forced reply: one call (of the named tool, or of any tool for
     `required`) in format `fmt`, its JSON valid for the tool's schema."""
     chosen = [t for t in tools if choice != NAMED or t["function"]["name"] == name]
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(t, fmt), ensure_ascii=False)}" for i, t in enumerate(chosen)]
+    # compact JSON, as response_format's (constraints.JSON_OPTIONS): a weak model could otherwise
+    # spend its max_tokens on the whitespace JSON allows between tokens
+    rules = [f"call_{i}: %json {json.dumps({**_call_schema(t, fmt), 'x-guidance': JSON_OPTIONS}, ensure_ascii=False)}"
+             for i, t in enumerate(chosen)]
     call = "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
     if fmt == "hermes":
         start = f'start: "{OPENER["hermes"]}\\n" call "\\n</tool_call>"'
