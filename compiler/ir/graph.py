@@ -25,6 +25,7 @@ from zlc.errors import IRError
 from .ops import infer_sym, infer_types
 from .types import DType, TensorType
 from .values import Node, Value
+from .quant import Dequantized
 
 __all__ = ["Graph", "Node", "Value", "print_graph", "reinfer"]
 
@@ -103,6 +104,8 @@ class Graph:
         """Adds a constant. `data` (numpy array or torch tensor) is kept by reference."""
         if isinstance(data, torch.Tensor):
             ty = TensorType(DType.from_torch(data.dtype), tuple(int(d) for d in data.shape))
+        elif isinstance(data, Dequantized):  # a packed matrix's f32 view, dequantized where read
+            ty = TensorType(DType.f32, data.shape)
         else:
             data = np.asarray(data)
             ty = TensorType(DType.from_numpy(data.dtype), tuple(int(d) for d in data.shape))
