@@ -44,10 +44,10 @@ import numpy as np
 from .bundle import check_numerics, write_manifest
 from .driver import CompileOptions, Lowered, lower
 from .errors import VerificationError, ZlcError
-from .memory import MemoryLog, check_room
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
 from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
+from .memory import MemoryLog, check_room
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__

@@ -23,9 +23,9 @@ import torch
 from zlc.errors import IRError
 
 from .ops import infer_sym, infer_types
+from .quant import Dequantized
 from .types import DType, TensorType
 from .values import Node, Value
-from .quant import Dequantized
 
 __all__ = ["Graph", "Node", "Value", "print_graph", "reinfer"]
 
