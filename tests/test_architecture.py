@@ -34,7 +34,7 @@ LAYERS: list[list[str]] = [
     ["zlc.codegen", "zlc.runtime", "zlc.deploy"],
     # the verifier says whether a model fits the megakernel (runs codegen's scheduler check); the
     # kernel model reads back what codegen wrote (cubins, tables) and needs its toolchain lookup
-    ["zlc.verifier", "zlc.kernelmodel"],
+    ["zlc.verifier", "zlc.kernelmodel", "zlc.memory"],  # zlc.memory: the compile's peak RSS, the room check
     ["zlc.build", "zlc.runtime.serve"],
     ["zlc.cli"],
     ["zlc"],  # the public face (lazy: it names the modules it loads on first use)
