@@ -119,7 +119,7 @@ def write_arenas(decode: Graph, program: Program, weight_dtype: str, path: Path,
 
 
 def _pwrite(fd: int, a: np.ndarray, pos: int) -> None:
-    view = memoryview(np.ascontiguousarray(a)).cast("B")
+    view = memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)  # type: ignore[arg-type]
     while view.nbytes:
         n = os.pwrite(fd, view, pos)
         view, pos = view[n:], pos + n
@@ -127,7 +127,7 @@ def _pwrite(fd: int, a: np.ndarray, pos: int) -> None:
 
 def _pread(fd: int, nbytes: int, pos: int) -> np.ndarray:
     buf = np.empty(nbytes, dtype=np.uint8)
-    view, got = memoryview(buf), 0
+    view, got = memoryview(buf.data), 0  # type: ignore[arg-type]
     while got < nbytes:
         n = os.preadv(fd, [view[got:]], pos + got)
         if n <= 0:

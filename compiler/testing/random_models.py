@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def write_qwen_gguf(path: Path, layers: int = 24, hidden: int = 896, ffn: int = 
     rng = np.random.default_rng(0)
     seeds = iter(range(1, 1 << 30))
 
-    def mat(name: str, rows: int, cols: int, t: object) -> None:
+    def mat(name: str, rows: int, cols: int, t: Any) -> None:
         w.add_tensor(name, random_blocks(rows, cols, t, next(seeds), peak=0.05), raw_dtype=t)
 
     def vec(name: str, n: int, base: float) -> None:
