@@ -283,6 +283,8 @@ def _fmt_attr(v: Any) -> str:
 
 
 def _inline(v: Value) -> str | None:
+    if isinstance(v.data, Dequantized) and v.data.size > INLINE_MAX:  # never dequantized to be left out
+        return None
     arr = v.const_array()
     if arr is None or arr.size > INLINE_MAX:
         return None

@@ -21,7 +21,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # a constant whose graph dtype is wider than its data (executor.in_f32 / in_f64 share the weights):
 # widened, exactly, where a node reads it
 _NARROWER = {DType.f32: _HALF, DType.f64: (*_HALF, torch.float32)}
-CHUNK_BYTES = 64 << 20  # f32 bytes of a packed matrix's rows a Linear dequantizes at once (run_packed)
+CHUNK_BYTES = 16 << 20  # f32 bytes of a packed matrix's rows a Linear dequantizes at once (run_packed)
 
 
 def has_kernel(op: str) -> bool:
