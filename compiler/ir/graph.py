@@ -283,8 +283,9 @@ def _fmt_attr(v: Any) -> str:
 
 
 def _inline(v: Value) -> str | None:
-    if isinstance(v.data, Dequantized) and v.data.size > INLINE_MAX:  # never dequantized to be left out
-        return None
+    n = v.type.numel()
+    if isinstance(n, int) and n > INLINE_MAX:  # too large: not converted (a packed matrix dequantized,
+        return None                            # a half one widened) only to be left out
     arr = v.const_array()
     if arr is None or arr.size > INLINE_MAX:
         return None
