@@ -204,28 +204,33 @@ def write_layout(library: Path, tasks: np.ndarray, desc_int: np.ndarray, arenas:
         for off, n in tables:
             _pwrite(dfd, _pread(sfd, n, arenas.at["Q"] + off), q_at + off)
         for fmt, off, N, K in mats:
-            row = np.zeros((1, desc_int.shape[1]), dtype=np.int64)
-            L = LinearDesc
-            row[0, L.n.word], row[0, L.k.word], row[0, L.w.word], row[0, L.w2.word] = N, K, 0, -1
-            row[0, L.w_format.word] = fmt
-            if fmt:
-                n = N * (K // BY_CODE[fmt].block_k) * BY_CODE[fmt].block_bytes
-                if off + n > qbytes:
-                    raise ValueError(f"a Linear matrix at Q+{off} ({n} bytes) is outside the arena ({qbytes})")
-                q, qo = _pread(sfd, n, arenas.at["Q"] + off), np.zeros(n, dtype=np.uint8)
-                err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, dummy.ctypes.data, 0,
-                                            q.ctypes.data, n, dummy.ctypes.data, qo.ctypes.data)
-                res, pos = qo, q_at + off
-            else:
-                n = N * K * es
-                if off * es + n > wbytes:
-                    raise ValueError(f"a Linear matrix at W+{off} ({n} bytes) is outside the arena ({wbytes})")
-                w, wo = _pread(sfd, n, arenas.at["W"] + off * es), np.empty(n, dtype=np.uint8)
-                err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, w.ctypes.data, N * K,
-                                            None, 0, wo.ctypes.data, None)
-                res, pos = wo, off * es
-            if err:
-                raise OSError(err, f"{library.name}: the weight layout failed ({os.strerror(err)})")
-            _pwrite(dfd, res, pos)
+            row_bytes = K // BY_CODE[fmt].block_k * BY_CODE[fmt].block_bytes if fmt else K * es
+            at = arenas.at["Q"] + off if fmt else arenas.at["W"] + off * es
+            dst_at = q_at + off if fmt else off * es
+            limit = qbytes if fmt else wbytes
+            if (off if fmt else off * es) + N * row_bytes > limit:
+                raise ValueError(f"a Linear matrix at {'Q' if fmt else 'W'}+{off} ({N} rows of {row_bytes} bytes) "
+                                 f"is outside the arena ({limit} bytes)")
+            # panels of PANEL (<= 64) rows each sit in their own rows' bytes: a chunk of whole panels
+            # (a multiple of 256 rows) lays out as that slice of the matrix does
+            step = max(256, CHUNK * 4 // row_bytes // 256 * 256)
+            for r0 in range(0, N, step):
+                rows = min(step, N - r0)
+                n = rows * row_bytes
+                src_b = _pread(sfd, n, at + r0 * row_bytes)
+                row = np.zeros((1, desc_int.shape[1]), dtype=np.int64)
+                L = LinearDesc
+                row[0, L.n.word], row[0, L.k.word], row[0, L.w.word], row[0, L.w2.word] = rows, K, 0, -1
+                row[0, L.w_format.word] = fmt
+                res = np.zeros(n, dtype=np.uint8)
+                if fmt:
+                    err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, dummy.ctypes.data, 0,
+                                                src_b.ctypes.data, n, dummy.ctypes.data, res.ctypes.data)
+                else:
+                    err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, src_b.ctypes.data, rows * K,
+                                                None, 0, res.ctypes.data, None)
+                if err:
+                    raise OSError(err, f"{library.name}: the weight layout failed ({os.strerror(err)})")
+                _pwrite(dfd, res, dst_at + r0 * row_bytes)
     return {"file": f"{out.parent.name}/{out.name}", "bytes": int(total), "w": {"offset": 0, "bytes": int(wbytes)},
             "q": {"offset": int(q_at) if qbytes else 0, "bytes": int(qbytes)}}
