@@ -47,7 +47,7 @@ from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
 from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
-from .memory import MemoryLog, check_room
+from .memory import MemoryLog, check_room, release_mapped
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
@@ -217,6 +217,7 @@ def _weights(b: Build) -> None:
     # written constant by constant from the model's (mapped) data: no arena is built in memory
     b.arenas = write_arenas(b.decode, b.programs["cpu"], b.wdtype, b.tmp / "weights.safetensors",
                             lambda i, n: b.count("weights packed", i, n))
+    release_mapped(b.model)  # the later stages read the written files, not the model's map
 
 
 def _native(b: Build) -> None:

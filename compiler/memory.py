@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ZlcError
 
-__all__ = ["MemoryLog", "check_room", "model_bytes", "needed_bytes", "rss"]
+__all__ = ["MemoryLog", "check_room", "model_bytes", "needed_bytes", "release_mapped", "rss"]
 
 #: What a compile needs beyond the model's bytes: the interpreter with torch, transformers, onnx and
 #: gguf imported (~250-400 MiB measured, bench/compile_memory.py), the IR, the tables and the
@@ -94,6 +94,25 @@ def check_room(model: Any, name: str) -> None:
     if need_more > avail:
         raise ZlcError(f"{name}: compiling a {_gib(nbytes)} model needs about {_gib(need)} of memory "
                        f"({PER_MODEL_BYTE}x the model + {_gib(BASE_BYTES)}); {_gib(avail)} is available")
+
+
+def release_mapped(model: Any) -> None:
+    """Drops a GGUF file's mapped pages from this process's resident set (madvise DONTNEED on the
+    reader's read-only map: the pages stay in the page cache and fault back in if read again).
+    Called once the weights stage has written the bundle's weights: no later stage reads them, so
+    they need not count against the compile's peak while the kernels and tokenizer are built."""
+    import mmap
+
+    if not isinstance(model, (str, os.PathLike)) or Path(model).suffix != ".gguf":
+        return
+    from .gguf_reader import open_gguf
+
+    try:
+        m = getattr(open_gguf(model).data, "_mmap", None)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError, AttributeError):  # no map to release: nothing lost but the saving
+        pass
 
 
 class MemoryLog:
