@@ -108,7 +108,7 @@ def release_mapped(model: Any) -> None:
     from .gguf_reader import open_gguf
 
     try:
-        m = getattr(open_gguf(model).data, "_mmap", None)
+        m = getattr(open_gguf(Path(model)).data, "_mmap", None)
         if m is not None and hasattr(mmap, "MADV_DONTNEED"):
             m.madvise(mmap.MADV_DONTNEED)
     except (OSError, ValueError, AttributeError):  # no map to release: nothing lost but the saving
