@@ -15,6 +15,7 @@ import numpy as np
 
 from zlc.bundle import DESC_FLOATS, DESC_WORDS
 from zlc.ir import Graph, Value
+from zlc.ir.quant import Dequantized
 
 from .program import Buffer, Program
 
@@ -96,6 +97,8 @@ class Layout:
 def _data_key(v: Value) -> Any:
     """Constants that share storage (a tied LM head and embedding) are placed once."""
     d = v.data
+    if isinstance(d, Dequantized):  # one per packed constant (tied names share it)
+        return ("dq", id(d))
     if isinstance(d, np.ndarray):
         return ("np", d.__array_interface__["data"][0], d.shape, d.strides, str(d.dtype))
     try:

@@ -47,6 +47,7 @@ from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
 from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
+from .memory import MemoryLog, check_room, release_mapped
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
@@ -85,7 +86,7 @@ class Build:
     tokenizer_info: dict[str, Any] | None = None
     xdp: Any = None
     native: dict[str, Any] = field(default_factory=dict)  # the manifest's `native` entry
-    arenas: tuple[Any, Any] | None = None  # (W, Q) as written by the weights stage: the native layout's input
+    arenas: Any = None  # codegen.arena_file.ArenaFile: where the weights stage wrote W, P and Q
     manifest: dict[str, Any] = field(default_factory=dict)
     cache: Any = None  # the compile cache (codegen/kcache.py KernelCache): libraries and cubins by content
     pool: Any = None  # the independent builds' jobs (C compilers, Triton compiles): `jobs` at a time
@@ -123,6 +124,7 @@ class CompileResult:
     manifest: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
     build: Build | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # memory.MemoryLog.report(): peak RSS per stage
 
 
 # ---- the stages ----------------------------------------------------------------------------------
@@ -209,14 +211,13 @@ def _emit(b: Build) -> None:
 
 
 def _weights(b: Build) -> None:
-    from safetensors.torch import save_file
-
-    from zlc.codegen.pack import pack_arenas
+    from zlc.codegen.arena_file import write_arenas
 
     b.report("weights", f"{b.wdtype} arenas")
-    W, P, Q = pack_arenas(b.decode, b.programs["cpu"], b.wdtype, lambda i, n: b.count("weights packed", i, n))
-    save_file({"W": W, "P": P, **({"Q": Q} if Q.numel() else {})}, str(b.tmp / "weights.safetensors"))
-    b.arenas = (W, Q)
+    # written constant by constant from the model's (mapped) data: no arena is built in memory
+    b.arenas = write_arenas(b.decode, b.programs["cpu"], b.wdtype, b.tmp / "weights.safetensors",
+                            lambda i, n: b.count("weights packed", i, n))
+    release_mapped(b.model)  # the later stages read the written files, not the model's map
 
 
 def _native(b: Build) -> None:
@@ -249,9 +250,7 @@ def _native_layout(b: Build, prog: Any) -> None:
     laying the weights out (docs/artifact.md, "Mapped native weights"). Panels are two vectors
     wide, so each level has its own layout; one level only, because each copy costs the size of
     W + Q in the bundle. A host that runs another level lays the weights out at session start."""
-    import torch
-
-    from zlc.codegen.native import write_layout
+    from zlc.codegen.arena_file import write_layout
     from zlc.runtime.native import NativeError, select_level
 
     try:
@@ -260,11 +259,9 @@ def _native_layout(b: Build, prog: Any) -> None:
         b.report("native", "no level of the native kernel runs on this host: no mapped weight layout")
         return
     assert b.arenas is not None
-    W, Q = b.arenas
-    w = W.contiguous().view(torch.int16 if W.dtype == torch.bfloat16 else W.dtype).numpy()  # numpy has no bf16
     b.report("native", f"{level}: the weights in its panel layout")
-    entry = write_layout(b.tmp / b.native["levels"][level]["library"], prog.task_table(), prog.desc_int, w,
-                         Q.contiguous().numpy(), b.tmp / "native" / f"{level}.weights")
+    entry = write_layout(b.tmp / b.native["levels"][level]["library"], prog.task_table(), prog.desc_int, b.arenas,
+                         b.tmp / "native" / f"{level}.weights")
     b.native["levels"][level]["weights"] = entry
 
 
@@ -418,6 +415,8 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
             raise QuantizeError(f"--quantize: {Path(model).name} is already quantized ('{quantized[0]}' is "
                                 f"{quantized[1]}); compile it without --quantize")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
+    check_room(model, src_name)  # a model too large for the memory left: one line, before any work
+    mem = MemoryLog(model)
     if tokenizer is None:  # a GGUF file carries its tokenizer and chat template, a checkpoint holds them
         tokenizer = gguf_tokenizer(model) or checkpoint_tokenizer(model)
     outdir = Path(out) if out is not None else Path(f"{src_name}.zlc")
@@ -443,11 +442,12 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
                 begin(stage.name)
             stage.run(b)
             secs[stage.name] = time.perf_counter() - t
+            mem.mark(stage.name)
             if stage.name == stop_after:
                 b.pool.shutdown(wait=True, cancel_futures=True)
                 shutil.rmtree(tmp)
                 secs["total"] = time.perf_counter() - t0
-                return CompileResult(None, b.manifest, secs, b)
+                return CompileResult(None, b.manifest, secs, b, mem.report())
     except BaseException:
         b.pool.shutdown(wait=True, cancel_futures=True)  # no compiler writes into the bundle after this
         shutil.rmtree(tmp, ignore_errors=True)  # a failed compile leaves no half-written bundle
@@ -460,7 +460,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
         shutil.rmtree(outdir)
     tmp.rename(outdir)
     secs["total"] = time.perf_counter() - t0
-    return CompileResult(outdir, b.manifest, secs, b)
+    return CompileResult(outdir, b.manifest, secs, b, mem.report())
 
 
 class _CountingPool(ThreadPoolExecutor):

@@ -37,7 +37,7 @@ LAYERS: list[list[str]] = [
     # kernel model reads back what codegen wrote (cubins, tables) and needs its toolchain lookup
     # the serving wire (zlc.runtime.serve: protocol, rings, engine_stats): what both serving
     # processes share, below both
-    ["zlc.verifier", "zlc.kernelmodel", "zlc.runtime.serve"],
+    ["zlc.verifier", "zlc.kernelmodel", "zlc.memory", "zlc.runtime.serve"],  # zlc.memory: the compile's peak RSS, the room check
     # the serving wings, one per process: the engine process's and the ingress's (zlc serve's own);
     # on one layer, so neither imports the other
     ["zlc.build", "zlc.runtime.serve.engine", "zlc.runtime.serve.ingress"],

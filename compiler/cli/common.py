@@ -251,7 +251,8 @@ def histogram_table(before: dict[str, int], after: dict[str, int]) -> Table:
     return t
 
 
-def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None = None) -> None:
+def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None = None,
+                 memory: dict[str, Any] | None = None) -> None:
     """A bundle's summary from its manifest: model, verification, tasks per tiling, per-target
     resources and roofline (what `zlc compile` prints at the end, and `zlc inspect BUNDLE`)."""
     out = out_console()
@@ -305,6 +306,19 @@ def print_bundle(man: dict[str, Any], path: Path, secs: dict[str, float] | None 
         out.print(escape(line))
     if secs:
         out.print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
+    if (line := memory_line(memory)) is not None:
+        out.print(escape(line))
+
+
+def memory_line(mem: dict[str, Any] | None) -> str | None:
+    """The compile's peak resident set, its ratio to the model file and the stage that reached it."""
+    if not mem or not mem.get("peak_rss"):
+        return None
+    mib = 1 / 2**20
+    peak = mem["peak_rss"]
+    at = next((k for k, (_, hwm) in mem["stages"].items() if hwm >= peak), None)
+    of = (f" = {mem['ratio']}x the model's {mem['model_bytes'] * mib:.0f} MiB" if mem.get("ratio") else "")
+    return f"memory: peak RSS {peak * mib:.0f} MiB{of}" + (f", reached in the {at} stage" if at else "")
 
 
 def _cache_line(c: dict[str, Any] | None) -> str | None:

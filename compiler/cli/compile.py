@@ -171,9 +171,9 @@ def compile_cmd(model: Path, targets: tuple[str, ...], out: Path | None, dtype: 
         p.done()
     assert res.path is not None  # the whole pipeline ran
     if as_json:
-        click.echo(json.dumps(_compile_report(res.manifest, res.seconds, res.path), indent=1))
+        click.echo(json.dumps({**_compile_report(res.manifest, res.seconds, res.path), "memory": res.memory}, indent=1))
         return
-    print_bundle(res.manifest, res.path, res.seconds)
+    print_bundle(res.manifest, res.path, res.seconds, res.memory)
 
 
 def _compile_report(man: dict[str, Any], secs: dict[str, float] | None, path: Path) -> dict[str, Any]:

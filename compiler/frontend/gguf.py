@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from zlc.ir import Graph, Value
+from zlc.ir.quant import Dequantized
 from zlc.ir.types import DType, TensorType
 
 from .gguf_arch import ARCHITECTURES, ArchSpec
@@ -182,7 +183,7 @@ class GraphBuilder:
             return self.g.add_const(as_name, np.ascontiguousarray(w) if isinstance(w, np.ndarray) else w)
         if rows is not None:
             q = q.rows(rows)
-        v = self.g.add_const(as_name, q.dequantize().reshape(q.n, q.k))
+        v = self.g.add_const(as_name, Dequantized(q))  # f32 where read, never kept: the blocks are the data
         v.quant = q
         self.packed[as_name] = q.format.name
         return v

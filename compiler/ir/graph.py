@@ -23,6 +23,7 @@ import torch
 from zlc.errors import IRError
 
 from .ops import infer_sym, infer_types
+from .quant import Dequantized
 from .types import DType, TensorType
 from .values import Node, Value
 
@@ -103,6 +104,8 @@ class Graph:
         """Adds a constant. `data` (numpy array or torch tensor) is kept by reference."""
         if isinstance(data, torch.Tensor):
             ty = TensorType(DType.from_torch(data.dtype), tuple(int(d) for d in data.shape))
+        elif isinstance(data, Dequantized):  # a packed matrix's f32 view, dequantized where read
+            ty = TensorType(DType.f32, data.shape)
         else:
             data = np.asarray(data)
             ty = TensorType(DType.from_numpy(data.dtype), tuple(int(d) for d in data.shape))
@@ -280,6 +283,9 @@ def _fmt_attr(v: Any) -> str:
 
 
 def _inline(v: Value) -> str | None:
+    n = v.type.numel()
+    if isinstance(n, int) and n > INLINE_MAX:  # too large: not converted (a packed matrix dequantized,
+        return None                            # a half one widened) only to be left out
     arr = v.const_array()
     if arr is None or arr.size > INLINE_MAX:
         return None

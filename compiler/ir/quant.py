@@ -42,6 +42,7 @@ b64 0.578, b128 0.539 (ORT's own: 0.5 + 4.5 / B with zero points).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -111,6 +112,63 @@ class QuantizedWeight:
         from gguf import quants
 
         return np.ascontiguousarray(quants.dequantize(self.blocks, _ggml_type(self.format.name)), dtype=np.float32)
+
+
+class Dequantized:
+    """A packed constant's f32 data, dequantized each time it is read (`np.asarray(d)`) and not
+    kept: what the GGUF frontend gives a matrix it keeps packed, so that a compile holds the file's
+    blocks (mapped) and one matrix in f32 at a time, never an f32 copy of the model (issue 33).
+    Shape and dtype are known without dequantizing; the graph's passes see a constant as usual."""
+
+    __slots__ = ("q",)
+
+    def __init__(self, q: QuantizedWeight) -> None:
+        self.q = q
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.n, self.q.k)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def size(self) -> int:
+        return self.q.n * self.q.k
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
+    def __len__(self) -> int:
+        return self.q.n
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.q.dequantize().reshape(self.q.n, self.q.k)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return np.asarray(self)[index]
+
+    def __mul__(self, other: Any) -> np.ndarray:
+        return np.asarray(self) * other
+
+    __rmul__ = __mul__
+
+    def reshape(self, *shape: Any) -> np.ndarray:
+        return np.asarray(self).reshape(*shape)
+
+    def astype(self, dtype: Any, copy: bool = True) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+    @property
+    def T(self) -> np.ndarray:  # noqa: N802 (numpy's name)
+        return np.asarray(self).T
 
 
 def quantize(w: np.ndarray, name: str) -> QuantizedWeight:

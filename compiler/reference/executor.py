@@ -18,6 +18,7 @@ import torch
 from zlc.bundle import check_numerics
 from zlc.errors import ZlcError
 from zlc.ir import Graph
+from zlc.ir.quant import Dequantized
 
 from .evaluate import evaluate
 from .kernels import const_tensor
@@ -32,7 +33,8 @@ class ReferenceExecutor:
                  state: dict[str, torch.Tensor] | None = None, numerics: str = "exact"):
         self.graph = graph
         self.numerics = check_numerics(numerics)
-        self.consts = {id(v): const_tensor(v) for v in graph.consts.values()}
+        # packed matrices (ir.quant.Dequantized) are dequantized where a node reads them, not held here
+        self.consts = {id(v): const_tensor(v) for v in graph.consts.values() if not isinstance(v.data, Dequantized)}
         self.state_dims = dict(state_shapes or {})
         # Executors of the prefill and decode graphs share one state dict (one KV cache).
         self.state: dict[str, torch.Tensor] = state if state is not None else {}
