@@ -4,8 +4,7 @@
     python bench/compile_time.py                   # the tiny example model (zoo llama, opset 20)
     python bench/compile_time.py --smollm2         # plus SmolLM2-135M (zoo export, ~540 MB, once)
     python bench/compile_time.py MODEL.onnx ...    # any ONNX files
-    python bench/compile_time.py --cold-warm --targets cpu,a10 --max-seq 128 --repeat 0
-                                                   # the compile cache: each stage cold, then warm
+    python bench/compile_time.py --cold-warm       # issue 33's aims: cold, then warm (see below)
 
 Each model is lowered --repeat times in this process; the table shows the median seconds per
 stage (the first run also pays one-time imports, so it is reported separately), node counts and
