@@ -103,14 +103,14 @@ def _peak(code: str, *args: str) -> int:
 def test_compile_peak_rss_is_within_1_5x_of_the_model(kind: str, tmp_path: Path) -> None:
     """Issue 33's model, the Qwen2.5-0.5B-shaped GGUF (374 MiB, its 151,936-token Q8_0 table):
     peak RSS above the interpreter's baseline (the same imports, nothing compiled) <= 1.5x the
-    file. A 4-layer bf16 Llama checkpoint (211 MiB): <= 3x, today's figure (2.1-2.7x, the f32
-    widening in verification; issue 33's 1.5x is not met there yet, docs/performance.md). And the
-    bundle's weight files are the old way's, byte for byte."""
+    file. A 4-layer bf16 Llama checkpoint (211 MiB): <= 1.5x too (verification widens its matrices
+    where read, in row chunks, and freed blocks leave the resident set: ~1.2x measured,
+    docs/performance.md). And the bundle's weight files are the old way's, byte for byte."""
     if kind == "gguf":
         model, bound = write_qwen_gguf(tmp_path / "m.gguf"), 1.5
         nbytes = model.stat().st_size
     else:
-        model, bound = write_llama_checkpoint(tmp_path / "ck", "bfloat16", layers=4), 3.0
+        model, bound = write_llama_checkpoint(tmp_path / "ck", "bfloat16", layers=4), 1.5
         nbytes = (model / "model.safetensors").stat().st_size
     base = _peak(_IMPORTS)
     peak = _peak(_COMPILE, str(model), str(tmp_path / "b.zlc"))
