@@ -47,7 +47,7 @@ from .errors import VerificationError, ZlcError
 from .frontend.gguf_file import gguf_tokenizer, is_gguf, packed_tensor
 from .frontend.hf_dir import auto_wdtype, checkpoint_tokenizer, is_checkpoint_dir
 from .ir import DType
-from .memory import MemoryLog, check_room, release_mapped
+from .memory import MemoryLog, check_room, map_large_blocks, release_mapped
 from .passes.quantize import QuantizeError, describe_packed, packed_as_given, quantize_lowered, scheme_for
 from .targets import Target, decode_traffic, get_target
 from .version import __version__
@@ -416,6 +416,7 @@ def compile(model: Any, *, targets: Sequence[str] = ("cpu",), out: str | Path | 
                                 f"{quantized[1]}); compile it without --quantize")
     src_name = name or (Path(model).stem if isinstance(model, (str, Path)) else type(model).__name__)
     check_room(model, src_name)  # a model too large for the memory left: one line, before any work
+    map_large_blocks()  # freed matrices leave the resident set (verification widens one at a time)
     mem = MemoryLog(model)
     if tokenizer is None:  # a GGUF file carries its tokenizer and chat template, a checkpoint holds them
         tokenizer = gguf_tokenizer(model) or checkpoint_tokenizer(model)

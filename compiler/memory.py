@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ZlcError
 
-__all__ = ["MemoryLog", "check_room", "model_bytes", "needed_bytes", "release_mapped", "rss"]
+__all__ = ["MemoryLog", "check_room", "model_bytes", "map_large_blocks", "needed_bytes", "release_mapped", "rss"]
 
 #: What a compile needs beyond the model's bytes: the interpreter with torch, transformers, onnx and
 #: gguf imported (~250-400 MiB measured, bench/compile_memory.py), the IR, the tables and the
@@ -25,6 +25,11 @@ BASE_BYTES = 768 << 20
 #: writers) and the largest transient (one matrix widened to f32 by the reference executor, the
 #: panel layout of one matrix; bounded by the 1.5x aim of issue 33).
 PER_MODEL_BYTE = 1.5
+
+
+#: Blocks from this size up are mapped and unmapped on their own (glibc's M_MMAP_THRESHOLD, fixed
+#: for the compile's process by map_large_blocks).
+MMAP_THRESHOLD = 1 << 20
 
 
 def rss() -> tuple[int, int] | None:
@@ -97,21 +102,75 @@ def check_room(model: Any, name: str) -> None:
 
 
 def release_mapped(model: Any) -> None:
-    """Drops a GGUF file's mapped pages from this process's resident set (madvise DONTNEED on the
-    reader's read-only map: the pages stay in the page cache and fault back in if read again).
-    Called once the weights stage has written the bundle's weights: no later stage reads them, so
-    they need not count against the compile's peak while the kernels and tokenizer are built."""
+    """Drops the model's mapped pages from this process's resident set (madvise DONTNEED: the pages
+    stay in the page cache and fault back in if read again): a GGUF file's (the reader's read-only
+    map), a checkpoint directory's safetensors files' (the maps `safe_open` made). Called once the
+    weights stage has written the bundle's weights: no later stage reads them, so they need not
+    count against the compile's peak while the kernels and tokenizer are built."""
     import mmap
 
-    if not isinstance(model, (str, os.PathLike)) or Path(model).suffix != ".gguf":
+    if not isinstance(model, (str, os.PathLike)):
+        return
+    p = Path(model)
+    if p.is_dir():
+        _drop_file_pages({str(f.resolve()) for f in p.glob("*.safetensors")})
+        return
+    if p.suffix != ".gguf":
         return
     from .gguf_reader import open_gguf
 
     try:
-        m = getattr(open_gguf(Path(model)).data, "_mmap", None)
+        m = getattr(open_gguf(p).data, "_mmap", None)
         if m is not None and hasattr(mmap, "MADV_DONTNEED"):
             m.madvise(mmap.MADV_DONTNEED)
     except (OSError, ValueError, AttributeError):  # no map to release: nothing lost but the saving
+        pass
+
+
+def _drop_file_pages(paths: set[str]) -> None:
+    """madvise(DONTNEED) on this process's maps of `paths` (/proc/self/smaps). safetensors maps a
+    file private and writable (a torch storage over it); a map with a page written in it (copied on
+    write: its Anonymous kB) is left alone, since dropping would lose the write."""
+    import ctypes
+    import mmap
+
+    if not paths or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        madvise = ctypes.CDLL(None).madvise  # the process's own symbols: libc's
+    except (OSError, AttributeError):
+        return
+    maps: dict[tuple[int, int], int] = {}  # (start, end) of each map of one of `paths` -> its written kB
+    cur: tuple[int, int] | None = None  # the map whose fields the lines below describe, if one of ours
+    for ln in lines:
+        head = ln.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):  # a map's header line
+            cur = None
+            if len(head) == 6 and head[5] in paths:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                cur = (lo, hi)
+                maps[cur] = -1
+        elif cur is not None and ln.startswith("Anonymous:"):
+            maps[cur] = int(ln.split()[1])
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for (lo, hi), written in maps.items():
+        if written == 0:
+            madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+
+
+def map_large_blocks() -> None:
+    """Fixes glibc's mmap threshold at MMAP_THRESHOLD for this process, so a freed large block goes
+    back to the system at once. By default glibc raises the threshold to the size of each mapped
+    block freed (up to 32 MiB): from then on the reference executor's widened matrices (one f32
+    matrix per node that reads it, freed after) come from the heap, and the holes they leave among
+    the activations stayed resident (+150-250 MiB at verification's end for a 254 MiB bf16
+    checkpoint, bench/compile_memory.py). Elsewhere (no mallopt) nothing changes."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):
         pass
 
 

@@ -21,7 +21,7 @@ _HALF = (torch.float16, torch.bfloat16)
 # a constant whose graph dtype is wider than its data (executor.in_f32 / in_f64 share the weights):
 # widened, exactly, where a node reads it
 _NARROWER = {DType.f32: _HALF, DType.f64: (*_HALF, torch.float32)}
-CHUNK_BYTES = 16 << 20  # f32 bytes of a packed matrix's rows a Linear dequantizes at once (run_packed)
+CHUNK_BYTES = 16 << 20  # wide bytes of a matrix's rows a Linear widens at once (run_wide)
 
 
 def has_kernel(op: str) -> bool:
@@ -48,32 +48,78 @@ def run_node(node: Node, args: list[torch.Tensor | None]) -> list[torch.Tensor]:
     return outs
 
 
-def run_packed(node: Node, args: list[torch.Tensor | None], packed: list[int]) -> list[torch.Tensor]:
-    """A node reading packed matrices (ir.quant.Dequantized): each dequantized for this node only,
-    never kept, so a run holds one matrix in f32 at a time, not the model. An Embedding dequantizes
-    the rows its ids gather; a Linear or LM head on a matrix over CHUNK_BYTES in f32 (a vocabulary's
-    table) runs on CHUNK_BYTES of its rows at a time, the outputs' columns concatenated."""
-    ws = {i: node.inputs[i].data for i in packed}  # type: ignore[union-attr]
-    if node.op == "Embedding" and packed == [0] and args[1] is not None:
-        q, ids = ws[0].q, args[1]
-        if ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < q.n:  # else the kernel's own error
+class Wide:
+    """A matrix a node reads wider than it is held, widened where read and never kept: a packed
+    matrix (ir.quant.Dequantized, dequantized to f32) or a half constant of an executor.in_f32 /
+    in_f64 graph (the mapped weights, widened exactly to `to`)."""
+
+    def __init__(self, data: Dequantized | torch.Tensor, to: torch.dtype = torch.float32):
+        self.data, self.to = data, to
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes if isinstance(self.data, Dequantized) else self.data.numel() * self.to.itemsize
+
+    @property
+    def n(self) -> int:
+        return len(self.data)
+
+    @property
+    def k(self) -> int:
+        return self.data.q.k if isinstance(self.data, Dequantized) else int(self.data.shape[-1])
+
+    def matrix(self) -> bool:
+        return isinstance(self.data, Dequantized) or self.data.dim() == 2
+
+    def rows(self, sel: slice | torch.Tensor) -> torch.Tensor:
+        d = self.data
+        if isinstance(d, Dequantized):
+            return torch.from_numpy(d.q.rows(sel if isinstance(sel, slice) else sel.numpy())
+                                    .dequantize().reshape(-1, d.q.k))
+        return d[sel].to(self.to)
+
+    def whole(self) -> torch.Tensor:
+        d = self.data
+        return torch.from_numpy(np.asarray(d)) if isinstance(d, Dequantized) else d.to(self.to)
+
+
+def chunk_rows(k: int, itemsize: int = 4) -> int:
+    """Rows of a [N, k] matrix a Linear widens at once: CHUNK_BYTES of f32, in whole multiples of
+    256 rows, at which the f32 GEMM's columns come out bit-identical to one call on the whole
+    matrix (checked on MKL for vocabularies of 32k-152k and k of 576-3072; an unaligned split
+    moved some logits by an ulp)."""
+    return max(256, CHUNK_BYTES // (itemsize * k) // 256 * 256)
+
+
+def run_wide(node: Node, args: list[torch.Tensor | None], wide: dict[int, Wide]) -> list[torch.Tensor]:
+    """A node reading matrices held narrower than it computes (`Wide`): each widened for this node
+    only, so a run holds one matrix wide at a time, not the model. An Embedding widens the rows its
+    ids gather; a Linear or LM head on a matrix over CHUNK_BYTES wide (a vocabulary's table) runs
+    on `chunk_rows` of its rows at a time, the outputs' columns concatenated; anything else reads
+    each matrix widened whole."""
+    full = list(args)
+    for i, w in wide.items():  # the small ones (a bias, a norm's weights) whole
+        if not ((node.op == "Embedding" and i == 0) or (node.op in ("Linear", "LMHead") and i == 1)):
+            full[i] = w.whole()
+    if node.op == "Embedding" and 0 in wide and args[1] is not None:
+        w, ids = wide[0], args[1]
+        if ids.numel() and 0 <= int(ids.min()) and int(ids.max()) < w.n:  # else the kernel's own error
             uniq, inv = torch.unique(ids.long(), return_inverse=True)
-            rows = torch.from_numpy(q.rows(uniq.numpy()).dequantize().reshape(-1, q.k))
-            return run_node(node, [rows, inv.reshape(ids.shape)])
-    if node.op in ("Linear", "LMHead") and packed == [1] and ws[1].nbytes > CHUNK_BYTES:
-        q = ws[1].q
-        step = max(1, CHUNK_BYTES // (4 * q.k))
+            return run_node(node, [w.rows(uniq), inv.reshape(ids.shape)])
+    if node.op in ("Linear", "LMHead") and 1 in wide and wide[1].matrix() and wide[1].nbytes > CHUNK_BYTES:
+        w = wide[1]
+        step = chunk_rows(w.k, w.to.itemsize)
         outs = []
-        for lo in range(0, q.n, step):
-            part = list(args)
-            part[1] = torch.from_numpy(q.rows(slice(lo, lo + step)).dequantize().reshape(-1, q.k))
+        for lo in range(0, w.n, step):
+            part = list(full)
+            part[1] = w.rows(slice(lo, lo + step))
             if len(part) > 2 and part[2] is not None:
                 part[2] = part[2][lo:lo + step]
             outs.append(run_node(node, part)[0])
         return [torch.cat(outs, dim=-1)]
-    full = list(args)
-    for i, d in ws.items():
-        full[i] = torch.from_numpy(np.asarray(d))
+    for i, w in wide.items():
+        if full[i] is None:
+            full[i] = w.whole()
     return run_node(node, full)
 
 
@@ -91,22 +137,24 @@ def evaluate(nodes: Iterable[Node], env: Env, *, fetch: Callable[[Value], torch.
     `named`, every output is also recorded by value name. Returns `env`."""
     for node in nodes:
         args: list[torch.Tensor | None] = []
-        packed: list[int] = []  # inputs whose data is a packed matrix, dequantized where read (ir.quant)
+        wide: dict[int, Wide] = {}  # inputs held narrower than the node computes, widened where read
         for i, v in enumerate(node.inputs):
             if v is None:
                 args.append(None)
                 continue
             t = env.get(id(v))
-            if t is None and fetch is constant and isinstance(v.data, Dequantized):
-                packed.append(i)
+            if t is None and fetch is constant and isinstance(v.data, Dequantized):  # a packed matrix (ir.quant)
+                wide[i] = Wide(v.data)
                 args.append(None)
                 continue
             if t is None:
                 t = env[id(v)] = fetch(v)
             if v.is_const and t.dtype in _NARROWER.get(v.dtype, ()):  # executor.in_f32/in_f64's shared weights
-                t = t.to(v.dtype.torch)
+                wide[i] = Wide(t, v.dtype.torch)
+                args.append(None)
+                continue
             args.append(t)
-        outs = run_packed(node, args, packed) if packed else run_node(node, args)
+        outs = run_wide(node, args, wide) if wide else run_node(node, args)
         for o, t in zip(node.outputs, outs, strict=True):
             env[id(o)] = t
             if named is not None:
