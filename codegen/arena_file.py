@@ -218,16 +218,16 @@ def write_layout(library: Path, tasks: np.ndarray, desc_int: np.ndarray, arenas:
                 rows = min(step, N - r0)
                 n = rows * row_bytes
                 src_b = _pread(sfd, n, at + r0 * row_bytes)
-                row = np.zeros((1, desc_int.shape[1]), dtype=np.int64)
+                desc_row = np.zeros(desc_int.shape[1], dtype=np.int64)  # one Linear descriptor: this chunk
                 L = LinearDesc
-                row[0, L.n.word], row[0, L.k.word], row[0, L.w.word], row[0, L.w2.word] = rows, K, 0, -1
-                row[0, L.w_format.word] = fmt
+                desc_row[L.n.word], desc_row[L.k.word], desc_row[L.w.word], desc_row[L.w2.word] = rows, K, 0, -1
+                desc_row[L.w_format.word] = fmt
                 res = np.zeros(n, dtype=np.uint8)
                 if fmt:
-                    err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, dummy.ctypes.data, 0,
+                    err = lib.zlc_native_layout(one.ctypes.data, desc_row.ctypes.data, 1, dummy.ctypes.data, 0,
                                                 src_b.ctypes.data, n, dummy.ctypes.data, res.ctypes.data)
                 else:
-                    err = lib.zlc_native_layout(one.ctypes.data, row.ctypes.data, 1, src_b.ctypes.data, rows * K,
+                    err = lib.zlc_native_layout(one.ctypes.data, desc_row.ctypes.data, 1, src_b.ctypes.data, rows * K,
                                                 None, 0, res.ctypes.data, None)
                 if err:
                     raise OSError(err, f"{library.name}: the weight layout failed ({os.strerror(err)})")
