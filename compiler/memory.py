@@ -95,7 +95,10 @@ def check_room(model: Any, name: str) -> None:
         return
     need = needed_bytes(nbytes)
     cur = rss()
-    need_more = need - (cur[0] if cur else 0)  # what this process holds already is part of the base
+    # what this process holds already counts against the base allowance (imports, interpreter), never
+    # against the model's share: a process that is large already (a test run, a notebook) still needs that
+    held = min(cur[0], BASE_BYTES) if cur else 0
+    need_more = need - held
     if need_more > avail:
         raise ZlcError(f"{name}: compiling a {_gib(nbytes)} model needs about {_gib(need)} of memory "
                        f"({PER_MODEL_BYTE}x the model + {_gib(BASE_BYTES)}); {_gib(avail)} is available")
