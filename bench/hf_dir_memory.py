@@ -19,43 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_memory import peak_of  # noqa: E402  (the bench folder is no package)
+
 
 def write_checkpoint(d: Path, dtype: str, layers: int, hidden: int, ffn: int, vocab: int, seed: int = 0) -> int:
-    """A random Llama checkpoint at `d`; returns the weights' bytes."""
-    import torch
-    from safetensors.torch import save_file
+    """A random Llama checkpoint at `d` (zlc.testing.random_models); returns the weights' bytes."""
+    from zlc.testing.random_models import write_llama_checkpoint
 
-    heads, kv_heads = hidden // 64, max(1, hidden // 256)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-           "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "head_dim": 64, "vocab_size": vocab, "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-           "torch_dtype": dtype}
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    g = torch.Generator().manual_seed(seed)
-    dt = getattr(torch, dtype)
-
-    def m(n: int, k: int) -> torch.Tensor:
-        return (torch.randn(n, k, generator=g) * k ** -0.5).to(dt)
-
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": m(vocab, hidden), "lm_head.weight": m(vocab, hidden),
-                                  "model.norm.weight": torch.ones(hidden, dtype=dt)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": m(heads * 64, hidden), p + "self_attn.k_proj.weight": m(kv_heads * 64, hidden),
-              p + "self_attn.v_proj.weight": m(kv_heads * 64, hidden), p + "self_attn.o_proj.weight": m(hidden, heads * 64),
-              p + "mlp.gate_proj.weight": m(ffn, hidden), p + "mlp.up_proj.weight": m(ffn, hidden),
-              p + "mlp.down_proj.weight": m(hidden, ffn), p + "input_layernorm.weight": torch.ones(hidden, dtype=dt),
-              p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dt)}
-    save_file(t, str(d / "model.safetensors"))
-    return sum(v.numel() * v.element_size() for v in t.values())
+    path = write_llama_checkpoint(d, dtype, layers, hidden, ffn, vocab, seed) / "model.safetensors"
+    with path.open("rb") as f:  # safetensors: an 8-byte header length, the JSON header, then the tensors' bytes
+        header = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - header
 
 
 def _status() -> tuple[int, int]:
@@ -81,18 +61,6 @@ def child(model: str, out: str, wdtype: str) -> None:
                       "seconds": round(sum(res.seconds.values()) - res.seconds.get("total", 0), 1)}))
 
 
-def _peak_of(cmd: list[str]) -> tuple[int, str]:
-    """Run `cmd` as the only child so far of a fresh helper; its peak RSS in bytes and stdout."""
-    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-             "sys.stderr.write(r.stderr[-3000:]); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
-             "print(r.stdout, end='')")
-    r = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True, check=True)
-    first, _, rest = r.stdout.partition("\n")
-    if not rest.strip():
-        raise SystemExit(f"child failed:\n{r.stderr}")
-    return int(first) * 1024, rest
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -109,9 +77,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "ckpt"
         nbytes = write_checkpoint(d, a.dtype, a.layers, a.hidden, a.ffn, a.vocab)
-        base, _ = _peak_of([sys.executable, "-c", "import zlc, zlc.build, torch, transformers, safetensors; print(1)"])
+        base, _ = peak_of([sys.executable, "-c", "import zlc, zlc.build, torch, transformers, safetensors; print(1)"])
         t = time.perf_counter()
-        peak, out = _peak_of([sys.executable, __file__, "--child", str(d), str(Path(tmp) / "b.zlc"), a.wdtype])
+        peak, out = peak_of([sys.executable, __file__, "--child", str(d), str(Path(tmp) / "b.zlc"), a.wdtype])
         wall = time.perf_counter() - t
     rep = json.loads(out.strip().splitlines()[-1])
     mb = 1 / 2**20
