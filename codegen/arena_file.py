@@ -35,6 +35,7 @@ from zlc.abi.tables import HEADER_WORDS, OP_EMBED, OP_LINEAR, TASK_DESC, TASK_OP
 from zlc.ir import Graph
 
 from .native import LAYOUT_ALIGN
+from .pack import placed_constants
 from .program import Program
 
 __all__ = ["ArenaFile", "write_arenas", "write_layout"]
@@ -90,19 +91,11 @@ def write_arenas(decode: Graph, program: Program, weight_dtype: str, path: Path,
     if nbytes["Q"]:
         entries.append(("Q", "U8", nbytes["Q"]))
     head, at = _header(entries)
-    consts = {v.name: v for v in decode.consts.values()}
-    done: set[tuple[str, int]] = set()
     with open(path, "wb") as f:
         f.write(head)
         f.truncate(len(head) + sum(nb for _, _, nb in entries))  # zeros: the gaps between constants
         fd = f.fileno()
-        for i, pl in enumerate(program.weights):
-            if on_packed is not None:
-                on_packed(i, len(program.weights))
-            if (pl["arena"], pl["offset"]) in done:  # a tied name: its data is already there
-                continue
-            done.add((pl["arena"], pl["offset"]))
-            v = consts[pl["value"]]
+        for pl, v in placed_constants(program, decode, on_packed):
             if pl["arena"] == "Q":
                 blocks = np.ascontiguousarray(v.quant.blocks).reshape(-1)
                 _pwrite(fd, blocks.view(np.uint8), at["Q"] + pl["offset"])
@@ -113,8 +106,6 @@ def write_arenas(decode: Graph, program: Program, weight_dtype: str, path: Path,
             for s in range(0, t.numel(), CHUNK):
                 c = t[s:s + CHUNK].to(dt).contiguous()
                 _pwrite(fd, c.view(torch.int16 if dt == torch.bfloat16 else dt).numpy(), base + s * es)
-    if on_packed is not None:
-        on_packed(len(program.weights), len(program.weights))
     return ArenaFile(path, at, nbytes, w_esize)
 
 

@@ -8,7 +8,7 @@ bundle's manifest lists each constant and `pack_arenas` fills W and P from the g
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -123,6 +123,21 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str,
     W = torch.zeros(max(program.w_size, 1), dtype=wdt)
     P = torch.zeros(max(program.p_size, 1), dtype=torch.float32)
     Q = torch.zeros(program.q_size, dtype=torch.uint8)
+    for pl, v in placed_constants(program, decode, on_packed):
+        if pl["arena"] == "Q":
+            Q[pl["offset"]:pl["offset"] + pl["bytes"]] = torch.from_numpy(v.quant.blocks.reshape(-1))
+            continue
+        t = const_tensor(v).reshape(-1)
+        arena = W if pl["arena"] == "W" else P
+        arena[pl["offset"]:pl["offset"] + t.numel()] = t.to(arena.dtype)
+    return W, P, Q
+
+
+def placed_constants(program: Any, decode: Any,
+                     on_packed: Callable[[int, int], None] | None = None) -> Iterator[tuple[dict[str, Any], Any]]:
+    """(placement, constant) for each distinct arena spot of program.weights, in order (a tied name's
+    spot once); `on_packed(done, total)` before each placement and once at the end. The one walk
+    both arena writers (pack_arenas here, arena_file.write_arenas streaming) take."""
     consts = {v.name: v for v in decode.consts.values()}
     done: set[tuple[str, int]] = set()
     for i, pl in enumerate(program.weights):
@@ -131,13 +146,6 @@ def pack_arenas(decode: Graph, program: Program, weight_dtype: str,
         if (pl["arena"], pl["offset"]) in done:  # a tied name: its data is already there
             continue
         done.add((pl["arena"], pl["offset"]))
-        v = consts[pl["value"]]
-        if pl["arena"] == "Q":
-            Q[pl["offset"]:pl["offset"] + pl["bytes"]] = torch.from_numpy(v.quant.blocks.reshape(-1))
-            continue
-        t = const_tensor(v).reshape(-1)
-        arena = W if pl["arena"] == "W" else P
-        arena[pl["offset"]:pl["offset"] + t.numel()] = t.to(arena.dtype)
+        yield pl, consts[pl["value"]]
     if on_packed is not None:
         on_packed(len(program.weights), len(program.weights))
-    return W, P, Q
