@@ -77,6 +77,20 @@ def byte_tokens(vocab: int) -> list[str]:
     return toks + [f"<pad{i}>" for i in range(vocab - len(toks))]
 
 
+def add_byte_vocab(w: Any, vocab: int, pre: str) -> None:
+    """byte_tokens(vocab) as a GGUF gpt2 tokenizer on writer `w` (no merges; BOS/EOS ChatML's)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    toks = byte_tokens(vocab)
+    w.add_token_list(toks)
+    w.add_token_types([3 if t.startswith("<|") else (5 if t.startswith("<pad") else 1) for t in toks])
+    w.add_token_scores([0.0] * len(toks))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(258)
+    w.add_add_bos_token(False)
+
+
 #: Hugging Face model_type -> GGUF architecture.
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
@@ -150,16 +164,7 @@ def write_gguf(model: torch.nn.Module, path: str | Path, *, qtype: Any = None, t
     if getattr(cfg, "final_logit_softcapping", None):
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if tokenizer:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("default")
-        toks = byte_tokens(cfg.vocab_size)
-        w.add_token_list(toks)
-        w.add_token_types([3 if t.startswith("<|") else (5 if t.startswith("<pad") else 1) for t in toks])
-        w.add_token_scores([0.0] * len(toks))
-        w.add_token_merges([])
-        w.add_bos_token_id(256)
-        w.add_eos_token_id(258)
-        w.add_add_bos_token(False)
+        add_byte_vocab(w, cfg.vocab_size, "default")
     if chat_template is not None:
         w.add_chat_template(chat_template)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .gguf_files import byte_tokens, random_blocks
+from .gguf_files import add_byte_vocab, random_blocks
 
 __all__ = ["write_llama_checkpoint", "write_qwen_gguf"]
 
@@ -40,16 +40,7 @@ def write_qwen_gguf(path: Path, layers: int = 24, hidden: int = 896, ffn: int = 
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1000000.0)
     w.add_vocab_size(vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    toks = byte_tokens(vocab)
-    w.add_token_list(toks)
-    w.add_token_types([3 if t.startswith("<|") else (5 if t.startswith("<pad") else 1) for t in toks])
-    w.add_token_scores([0.0] * len(toks))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(258)
-    w.add_add_bos_token(False)
+    add_byte_vocab(w, vocab, "qwen2")
     rng = np.random.default_rng(0)
     seeds = iter(range(1, 1 << 30))
 
